@@ -1,0 +1,363 @@
+"""The privacy ledger: an append-only record of every sampling and every noisy sum.
+
+A ledger is a JSON Lines file. The first line is a header naming the format, its version,
+the neighbouring relation and the unit of privacy (the *record*); every other line is one
+event. A :class:`SumQueryEvent` belongs to the :class:`SamplingEvent` before it, and a
+sampling event with its sum queries is one *step*. Accountants read only the ledger, so a
+bug in configuration code cannot corrupt the guarantee, and a ledger can be reprocessed
+later by a tighter accountant.
+
+Field meanings never change; new fields are optional and readers ignore fields they do not
+know. An unknown event type is an error, since an accountant cannot price it. See
+``docs/ledger.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Iterable, Iterator, Sequence, Union
+
+from . import _validation as check
+
+FORMAT = "dpcore-ledger"
+VERSION = 1
+NEIGHBOURING = "add_or_remove_one_record"
+RECORD_UNITS = ("example", "microbatch", "user")
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class LedgerError(ValueError):
+    """A ledger file or event is invalid; the message names the line where there is one."""
+
+
+class LedgerWarning(UserWarning):
+    """Something in a ledger was tolerated at the caller's request (a torn last line)."""
+
+
+@dataclass(frozen=True)
+class Header:
+    """First line of a ledger.
+
+    ``neighbouring`` is the relation the guarantee is stated for: datasets that differ by
+    adding or removing one ``record``, where a record is one example, one microbatch (the
+    mean of ``microbatch_size`` examples) or all data of one user.
+    """
+
+    record: str = "example"
+    microbatch_size: int | None = None
+    neighbouring: str = NEIGHBOURING
+    format: str = FORMAT
+    version: int = VERSION
+
+    def __post_init__(self):
+        if self.format != FORMAT:
+            raise LedgerError(f"format must be {FORMAT!r}, got {self.format!r}")
+        check.count("version", self.version, minimum=1)
+        if self.version > VERSION:
+            raise LedgerError(
+                f"ledger version {self.version} was written by a newer dpcore; this one reads "
+                f"versions up to {VERSION}"
+            )
+        if self.neighbouring != NEIGHBOURING:
+            raise LedgerError(f"neighbouring must be {NEIGHBOURING!r}, got {self.neighbouring!r}")
+        if self.record not in RECORD_UNITS:
+            raise LedgerError(f"record must be one of {RECORD_UNITS}, got {self.record!r}")
+        if self.record == "microbatch":
+            check.count("microbatch_size", self.microbatch_size, minimum=1)
+        elif self.microbatch_size is not None:
+            raise LedgerError(
+                f"microbatch_size is only meaningful for record='microbatch', got "
+                f"record={self.record!r} and microbatch_size={self.microbatch_size!r}"
+            )
+
+    def to_json(self) -> dict:
+        d = {"format": self.format, "version": self.version, "neighbouring": self.neighbouring,
+             "record": self.record}
+        if self.microbatch_size is not None:
+            d["microbatch_size"] = self.microbatch_size
+        return d
+
+
+@dataclass(frozen=True)
+class SamplingEvent:
+    """Poisson sampling: each of the ``n`` records enters the sample independently with
+    probability ``q`` in (0, 1]. ``q = 1`` is a full pass over the data."""
+
+    q: float
+    n: int
+    kind: str = field(default="sampling", init=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "q", check.probability("q", self.q))
+        object.__setattr__(self, "n", check.count("n", self.n))
+
+
+@dataclass(frozen=True)
+class SumQueryEvent:
+    """A Gaussian sum query over the records of the preceding sampling event.
+
+    Each record's vector for ``group`` is clipped to L2 norm ``clip`` (S_g), the clipped
+    vectors are summed and N(0, ``noise_std``^2 I) is added to the *sum* (sigma~_g). For a
+    joint group with scales alpha_j, ``clip`` and ``noise_std`` refer to the scaled vector
+    (v_j / alpha_j)_j, so vector j receives noise of standard deviation alpha_j * noise_std.
+    The query's noise multiplier is noise_std / clip.
+    """
+
+    group: str
+    clip: float
+    noise_std: float
+    kind: str = field(default="sum_query", init=False, repr=False)
+
+    def __post_init__(self):
+        if not isinstance(self.group, str) or not self.group:
+            raise ValueError(f"group must be a non-empty string, got {self.group!r}")
+        object.__setattr__(self, "clip", check.positive("clip", self.clip))
+        object.__setattr__(self, "noise_std", check.non_negative("noise_std", self.noise_std))
+
+
+Event = Union[SamplingEvent, SumQueryEvent]
+_EVENT_TYPES = {"sampling": SamplingEvent, "sum_query": SumQueryEvent}
+
+
+@dataclass(frozen=True)
+class Step:
+    """``count`` consecutive steps, each one Poisson-subsampled Gaussian sum query with
+    sampling rate ``q`` and noise multiplier ``noise_multiplier`` (z of Eq. (1); ``inf``
+    for a step that released no sum)."""
+
+    q: float
+    noise_multiplier: float
+    count: int = 1
+
+
+def effective_noise_multiplier(queries: Iterable[SumQueryEvent]) -> float:
+    """Eq. (1): G queries on one sample with tuples (S_g, sigma~_g) are one Gaussian sum query
+    with noise multiplier z = (sum_g (S_g / sigma~_g)^2)^(-1/2).
+
+    No query gives ``inf`` (nothing was released); any noiseless query gives 0.
+    """
+    total = 0.0
+    for query in queries:
+        if query.noise_std == 0:
+            return 0.0
+        total += (query.clip / query.noise_std) ** 2
+    return math.inf if total == 0 else total ** -0.5
+
+
+def event_to_json(event: Event) -> dict:
+    d = asdict(event)
+    kind = d.pop("kind")
+    return {"event": kind, **d}
+
+
+def _event_from_json(obj) -> Event:
+    if not isinstance(obj, dict):
+        raise LedgerError(f"expected a JSON object, got {type(obj).__name__}")
+    kind = obj.get("event")
+    if kind not in _EVENT_TYPES:
+        raise LedgerError(f"unknown event type {kind!r}; expected one of {sorted(_EVENT_TYPES)}")
+    cls = _EVENT_TYPES[kind]
+    names = [f for f in cls.__dataclass_fields__ if f != "kind"]
+    missing = [f for f in names if f not in obj]
+    if missing:
+        raise LedgerError(f"{kind} event lacks field(s) {missing}")
+    try:
+        return cls(**{f: obj[f] for f in names})
+    except (TypeError, ValueError) as exc:
+        raise LedgerError(f"invalid {kind} event: {exc}") from None
+
+
+def _header_from_json(obj) -> Header:
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise LedgerError(f"not a dpcore ledger: the first line must be a header with "
+                          f"format {FORMAT!r}")
+    fields = ("format", "version", "neighbouring", "record", "microbatch_size")
+    try:
+        return Header(**{f: obj[f] for f in fields if f in obj})
+    except (TypeError, ValueError) as exc:
+        raise LedgerError(f"invalid header: {exc}") from None
+
+
+class Ledger:
+    """The events of one training run, in memory and, with ``path``, in a JSON Lines file.
+
+    ``Ledger(path)`` creates the file with a header, or reopens an existing ledger (validating
+    every line) and appends to it, so a resumed run keeps one ledger. ``Ledger()`` keeps the
+    events in memory only. Every :meth:`write` is one ``write`` call followed by a flush (and
+    an ``os.fsync`` with ``fsync=True``): a step's events are durable before its result is
+    released.
+
+    A torn last line (a crash in the middle of a write) is an error unless
+    ``allow_torn_tail=True``; then it is reported with a :class:`LedgerWarning` and cut off,
+    which is safe because the events of a step are written before its result is released.
+    """
+
+    def __init__(self, path: PathLike | None = None, *, record: str = "example",
+                 microbatch_size: int | None = None, fsync: bool = False,
+                 allow_torn_tail: bool = False):
+        self.path = None if path is None else Path(path)
+        self.fsync = fsync
+        self._file: IO[str] | None = None
+        wanted = Header(record=record, microbatch_size=microbatch_size)
+        if self.path is not None and self.path.exists() and self.path.stat().st_size > 0:
+            header, events, keep = _parse(self.path, allow_torn_tail=allow_torn_tail)
+            if (header.record, header.microbatch_size) != (record, microbatch_size):
+                raise LedgerError(
+                    f"{self.path}: existing ledger is for record={header.record!r}, "
+                    f"microbatch_size={header.microbatch_size!r}; this run asked for "
+                    f"record={record!r}, microbatch_size={microbatch_size!r}")
+            self.header, self._events = header, events
+            self._file = open(self.path, "r+", encoding="utf-8", newline="\n")
+            self._file.seek(keep)
+            self._file.truncate()
+            if not self.path.read_bytes().endswith(b"\n"):
+                self._file.write("\n")  # a crash tore off only the final newline
+        else:
+            self.header, self._events = wanted, []
+            if self.path is not None:
+                self._file = open(self.path, "w", encoding="utf-8", newline="\n")
+                self._emit([self.header.to_json()])
+
+    @property
+    def events(self) -> tuple[Event, ...]:
+        return tuple(self._events)
+
+    def write(self, *events: Event) -> None:
+        """Append ``events`` (validated, then written and flushed together)."""
+        for event in events:
+            if not isinstance(event, (SamplingEvent, SumQueryEvent)):
+                raise TypeError(f"expected SamplingEvent or SumQueryEvent, got {event!r}")
+        seen_sampling = any(isinstance(e, SamplingEvent) for e in self._events)
+        for event in events:
+            seen_sampling = seen_sampling or isinstance(event, SamplingEvent)
+            if isinstance(event, SumQueryEvent) and not seen_sampling:
+                raise LedgerError("a sum query must follow a sampling event: record the "
+                                  "sampling of the records before querying them")
+        if self._file is not None:
+            self._emit([event_to_json(e) for e in events])
+        self._events.extend(events)
+
+    def record_sampling(self, q: float, n: int) -> SamplingEvent:
+        event = SamplingEvent(q=q, n=n)
+        self.write(event)
+        return event
+
+    def record_sum_queries(self, queries: Sequence[SumQueryEvent]) -> None:
+        self.write(*queries)
+
+    def steps(self) -> list[Step]:
+        """The ledger reduced to steps (q, z) by Eq. (1), runs of identical steps merged."""
+        return merge_steps(_iter_steps(self._events))
+
+    def _emit(self, objs: list[dict]) -> None:
+        text = "".join(json.dumps(o, allow_nan=False, separators=(",", ":")) + "\n"
+                       for o in objs)
+        self._file.write(text)
+        self._file.flush()
+        if self.fsync:
+            os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> "Ledger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = str(self.path) if self.path is not None else "memory"
+        return f"Ledger({where}, record={self.header.record!r}, events={len(self._events)})"
+
+
+def read_ledger(path: PathLike, *, allow_torn_tail: bool = False) -> Ledger:
+    """Read and validate a ledger file into an in-memory :class:`Ledger` (appending to the
+    result does not touch the file; open ``Ledger(path)`` to continue a run)."""
+    header, events, _ = _parse(Path(path), allow_torn_tail=allow_torn_tail)
+    ledger = Ledger(record=header.record, microbatch_size=header.microbatch_size)
+    ledger.header, ledger._events = header, events
+    return ledger
+
+
+def _iter_steps(events: Sequence[Event]) -> Iterator[Step]:
+    sampling, queries = None, []
+    for event in events:
+        if isinstance(event, SamplingEvent):
+            if sampling is not None:
+                yield Step(sampling.q, effective_noise_multiplier(queries))
+            sampling, queries = event, []
+        else:
+            queries.append(event)
+    if sampling is not None:
+        yield Step(sampling.q, effective_noise_multiplier(queries))
+
+
+def merge_steps(steps: Iterable[Step]) -> list[Step]:
+    """Merge runs of consecutive steps with equal (q, z), adding their counts."""
+    merged: list[Step] = []
+    for step in steps:
+        if merged and (merged[-1].q, merged[-1].noise_multiplier) == (step.q, step.noise_multiplier):
+            last = merged.pop()
+            step = Step(step.q, step.noise_multiplier, last.count + step.count)
+        merged.append(step)
+    return merged
+
+
+def _parse(path: Path, *, allow_torn_tail: bool) -> tuple[Header, list[Event], int]:
+    """Header, events and the byte length of the valid part of the file at ``path``."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise LedgerError(f"cannot read ledger {path}: {exc}") from None
+    if not data:
+        raise LedgerError(f"{path}: empty file, expected a ledger header on line 1")
+    lines = data.split(b"\n")
+    complete = lines[:-1]
+    tail = lines[-1]  # bytes after the last newline: empty for a well-formed file
+    if tail:
+        try:
+            json.loads(tail)
+            complete.append(tail)  # the crash tore off only the newline
+            tail = b""
+        except ValueError:
+            pass
+    header, events, sampling_seen = None, [], False
+    for number, raw in enumerate(complete, start=1):
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise LedgerError(f"{path}, line {number}: not valid JSON ({exc})") from None
+        try:
+            if number == 1:
+                header = _header_from_json(obj)
+                continue
+            event = _event_from_json(obj)
+        except LedgerError as exc:
+            raise LedgerError(f"{path}, line {number}: {exc}") from None
+        if isinstance(event, SamplingEvent):
+            sampling_seen = True
+        elif not sampling_seen:
+            raise LedgerError(f"{path}, line {number}: sum query before any sampling event")
+        events.append(event)
+    keep = len(data)
+    if tail:
+        number = len(complete) + 1
+        message = (f"{path}, line {number}: torn last line ({len(tail)} bytes without a "
+                   f"newline; a crash while writing?)")
+        if not allow_torn_tail:
+            raise LedgerError(message + "; pass allow_torn_tail=True to drop it (safe: a "
+                              "step's events are written before its result is released)")
+        warnings.warn(message + "; dropped", LedgerWarning, stacklevel=3)
+        keep = len(data) - len(tail)
+    if header is None:
+        raise LedgerError(f"{path}: no header line")
+    return header, events, keep
