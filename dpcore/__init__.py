@@ -1,0 +1,22 @@
+"""dpcore: differentially private averages and training from one framework-free core.
+
+The core imports no framework; backends (``numpy`` here, ``torch``, ``jax``, ``tensorflow`` and
+third parties') register through the ``dpcore`` entry points and are loaded on first use.
+"""
+
+from .aggregator import PrivateAggregator
+from .allocation import flat, grouped, per_layer
+from .backend import Backend
+from .ledger import Ledger, LedgerError, SamplingEvent, Step, SumQueryEvent, read_ledger
+from .plugins import available_backends, get_backend
+from .queries import Group, Mechanism, effective_noise_multiplier
+from .sampling import PoissonSampler, poisson_sample
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend", "Group", "Ledger", "LedgerError", "Mechanism", "PoissonSampler",
+    "PrivateAggregator", "SamplingEvent", "Step", "SumQueryEvent", "available_backends",
+    "effective_noise_multiplier", "flat", "get_backend", "grouped", "per_layer",
+    "poisson_sample", "read_ledger",
+]

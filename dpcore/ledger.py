@@ -15,7 +15,6 @@ know. An unknown event type is an error, since an accountant cannot price it. Se
 from __future__ import annotations
 
 import json
-import math
 import os
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -23,11 +22,11 @@ from pathlib import Path
 from typing import IO, Iterable, Iterator, Sequence, Union
 
 from . import _validation as check
+from .queries import RECORD_UNITS, effective_noise_multiplier
 
 FORMAT = "dpcore-ledger"
 VERSION = 1
 NEIGHBOURING = "add_or_remove_one_record"
-RECORD_UNITS = ("example", "microbatch", "user")
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -134,20 +133,6 @@ class Step:
     q: float
     noise_multiplier: float
     count: int = 1
-
-
-def effective_noise_multiplier(queries: Iterable[SumQueryEvent]) -> float:
-    """Eq. (1): G queries on one sample with tuples (S_g, sigma~_g) are one Gaussian sum query
-    with noise multiplier z = (sum_g (S_g / sigma~_g)^2)^(-1/2).
-
-    No query gives ``inf`` (nothing was released); any noiseless query gives 0.
-    """
-    total = 0.0
-    for query in queries:
-        if query.noise_std == 0:
-            return 0.0
-        total += (query.clip / query.noise_std) ** 2
-    return math.inf if total == 0 else total ** -0.5
 
 
 def event_to_json(event: Event) -> dict:
@@ -293,12 +278,16 @@ def _iter_steps(events: Sequence[Event]) -> Iterator[Step]:
     for event in events:
         if isinstance(event, SamplingEvent):
             if sampling is not None:
-                yield Step(sampling.q, effective_noise_multiplier(queries))
+                yield Step(sampling.q, _noise_multiplier(queries))
             sampling, queries = event, []
         else:
             queries.append(event)
     if sampling is not None:
-        yield Step(sampling.q, effective_noise_multiplier(queries))
+        yield Step(sampling.q, _noise_multiplier(queries))
+
+
+def _noise_multiplier(queries: Sequence[SumQueryEvent]) -> float:
+    return effective_noise_multiplier((query.clip, query.noise_std) for query in queries)
 
 
 def merge_steps(steps: Iterable[Step]) -> list[Step]:

@@ -1,0 +1,145 @@
+"""Aggregation kernels of the Gaussian sum query, written once on the Python Array API.
+
+For B records with leaves v_ij (record i, leaf j) and groups g of a :class:`~dpcore.queries.Mechanism`:
+
+1. ``sq_norms[i, j] = ||v_ij||^2``                                            (B, L)
+2. ``norms[i, g] = sqrt(sum_{j in g} sq_norms[i, j] / alpha_j^2)``            (B, G)
+3. ``factors[i, g] = min(1, S_g / norms[i, g])``, 0 for padded or dropped rows (B, G)
+4. ``sums[j] = sum_i factors[i, g(j)] v_ij``  (joint groups: alpha_j pi(v/alpha)_j = factor v_j)
+5. ``sums[j] += alpha_j sigma~_g N(0, I)``  with noise from the backend's generator
+6. ``mean[j] = sums[j] / (q n)``, the public expected number of records.
+
+Every function takes arrays of any namespace array-api-compat knows (NumPy, PyTorch, JAX,
+CuPy, array-api-strict) and returns arrays of the same namespace and device.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+from array_api_compat import array_namespace, device
+
+from .queries import Mechanism
+
+NONFINITE_POLICIES = ("raise", "drop")
+
+
+class NonFiniteNormError(FloatingPointError):
+    """A record's norm is NaN or infinite: its gradient holds NaN/Inf or overflowed."""
+
+
+def _flat(x, xp, batch: int):
+    return xp.reshape(x, (batch, math.prod(x.shape[1:])))
+
+
+def per_leaf_sq_norms(per_record: Mapping[str, object], leaves: Sequence[str]):
+    """Squared L2 norm of every record's every leaf: array (B, L), columns in ``leaves`` order."""
+    arrays = [per_record[leaf] for leaf in leaves]
+    xp = array_namespace(*arrays)
+    batch = arrays[0].shape[0]
+    for leaf, a in zip(leaves, arrays):
+        if a.shape[0] != batch:
+            raise ValueError(f"leaf {leaf!r} has {a.shape[0]} records, leaf {leaves[0]!r} has "
+                             f"{batch}: every leaf needs the same leading (record) dimension")
+    return xp.stack([xp.sum(_flat(a, xp, batch) ** 2, axis=1) for a in arrays], axis=1)
+
+
+def group_weights(mechanism: Mechanism, leaves: Sequence[str]) -> np.ndarray:
+    """W of shape (L, G) with W[j, g] = 1 / alpha_j^2 if leaf j is in group g, else 0, so that
+    ``norms = sqrt(sq_norms @ W)``."""
+    index = {leaf: j for j, leaf in enumerate(leaves)}
+    weights = np.zeros((len(leaves), len(mechanism.groups)))
+    for g, group in enumerate(mechanism.groups):
+        for leaf in group.leaves:
+            weights[index[leaf], g] = 1.0 / group.scale(leaf) ** 2
+    return weights
+
+
+def group_norms(sq_norms, mechanism: Mechanism, leaves: Sequence[str]):
+    """Norms (B, G) of each record's (scaled) group vectors from per-leaf squared norms (B, L)."""
+    xp = array_namespace(sq_norms)
+    weights = xp.asarray(group_weights(mechanism, leaves).tolist(), dtype=sq_norms.dtype,
+                         device=device(sq_norms))
+    return xp.sqrt(sq_norms @ weights)
+
+
+def clip_factors(norms, clips: Sequence[float], *, mask=None, on_nonfinite: str = "raise"):
+    """min(1, S_g / norm) per record and group, (B, G).
+
+    ``mask`` (B,) marks the real records of a padded batch; padded rows get factor 0. A record
+    with a non-finite norm raises :class:`NonFiniteNormError` (``on_nonfinite="raise"``, which
+    reads one boolean back to the host) or gets factor 0 in every group (``"drop"``, which
+    stays on the device and suits jit). Dropping a record is private: its contribution is 0.
+    """
+    if on_nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, got {on_nonfinite!r}")
+    xp = array_namespace(norms)
+    bounds = xp.asarray([float(s) for s in clips], dtype=norms.dtype, device=device(norms))
+    finite = xp.all(xp.isfinite(norms), axis=1)
+    keep = finite if mask is None else xp.logical_and(finite, xp.astype(mask, xp.bool))
+    if on_nonfinite == "raise":
+        bad = xp.logical_not(finite) if mask is None else xp.logical_and(
+            xp.logical_not(finite), xp.astype(mask, xp.bool))
+        if bool(xp.any(bad)):
+            rows = [i for i in range(bad.shape[0]) if bool(bad[i])]
+            raise NonFiniteNormError(
+                f"records {rows[:10]}{' ...' if len(rows) > 10 else ''} have a NaN or "
+                f"infinite norm (NaN/Inf in the gradient, or a norm beyond the dtype's range); "
+                f"fix the model or loss, or pass on_nonfinite='drop' to give them weight 0")
+    safe = xp.where(xp.isfinite(norms), norms, xp.zeros_like(norms))
+    factors = bounds / xp.maximum(safe, bounds)
+    return xp.where(keep[:, None], factors, xp.zeros_like(factors))
+
+
+def clipped_sum(per_record: Mapping[str, object], factors, mechanism: Mechanism,
+                leaves: Sequence[str], *, zero_rows=None) -> dict:
+    """sum_i factors[i, g(j)] * v_ij for every leaf j, each of the leaf's own shape.
+
+    ``zero_rows`` (B,) bool marks rows to be replaced by zeros before the sum (padded or
+    dropped records, whose values may be NaN: 0 * NaN is NaN)."""
+    group_index = {leaf: g for g, group in enumerate(mechanism.groups) for leaf in group.leaves}
+    out = {}
+    for leaf in leaves:
+        v = per_record[leaf]
+        xp = array_namespace(v)
+        batch = v.shape[0]
+        flat = _flat(v, xp, batch)
+        if zero_rows is not None:
+            flat = xp.where(zero_rows[:, None], xp.zeros_like(flat), flat)
+        weights = xp.astype(factors[:, group_index[leaf]], flat.dtype)
+        out[leaf] = xp.reshape(weights @ flat, v.shape[1:])
+    return out
+
+
+def leaf_noise_stds(mechanism: Mechanism) -> dict[str, float]:
+    """alpha_j sigma~_g for every leaf: the standard deviation of the noise on its sum."""
+    return {leaf: group.leaf_noise_std(leaf) for group in mechanism.groups for leaf in group.leaves}
+
+
+def add_noise(sums: Mapping[str, object], mechanism: Mechanism, rng,
+              standard_normal: Callable) -> tuple[object, dict]:
+    """``sums[j] + alpha_j sigma~_g * N(0, I)``, a fresh draw for every leaf.
+
+    ``standard_normal(rng, shape, like) -> (rng, array)`` is the backend's generator; the
+    returned rng is the state to use next (backends with stateful generators return it as is).
+    """
+    stds = leaf_noise_stds(mechanism)
+    out = {}
+    for leaf, total in sums.items():
+        std = stds[leaf]
+        if std == 0:
+            out[leaf] = total
+            continue
+        rng, noise = standard_normal(rng, tuple(total.shape), total)
+        out[leaf] = total + std * noise
+    return rng, out
+
+
+def scale(sums: Mapping[str, object], divisor: float) -> dict:
+    """Each sum divided by the public expected number of records q n."""
+    if not divisor > 0:
+        raise ValueError(f"expected number of records q*n must be > 0, got {divisor!r}")
+    return {leaf: total / divisor for leaf, total in sums.items()}
+

@@ -1,0 +1,108 @@
+"""Private averages of per-record vectors, step by step, with every step in the ledger.
+
+One step: :meth:`PrivateAggregator.sample` (or :meth:`~PrivateAggregator.begin_step` when the
+framework samples) writes the sampling event; :meth:`~PrivateAggregator.release` clips each
+record's groups, sums, writes the groups' sum-query events, adds the noise and divides by the
+public expected number of records q n. Backends that form clipped sums themselves (ghost
+clipping, book-keeping) call :meth:`~PrivateAggregator.clip_factors` and
+:meth:`~PrivateAggregator.release_sums` instead.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+from array_api_compat import array_namespace
+
+from . import _validation as check
+from . import aggregation
+from .backend import Backend
+from .ledger import Ledger, PathLike, SumQueryEvent
+from .plugins import get_backend
+from .queries import Mechanism
+from .sampling import PoissonSampler
+
+
+class PrivateAggregator:
+    """Gaussian sum queries of ``mechanism`` on Poisson samples (rate ``q``) of ``n`` records.
+
+    ``ledger`` is a :class:`Ledger`, a path (created, or reopened and appended to) or None (in
+    memory). ``seed`` fixes sampling and noise for tests; None takes OS entropy.
+    ``on_nonfinite`` is ``"raise"`` or ``"drop"`` (see :func:`aggregation.clip_factors`).
+    """
+
+    def __init__(self, mechanism: Mechanism, *, n: int, q: float,
+                 backend: str | Backend = "numpy", ledger: Ledger | PathLike | None = None,
+                 seed: int | None = None, on_nonfinite: str = "raise"):
+        if not isinstance(mechanism, Mechanism):
+            raise TypeError(f"mechanism must be a dpcore Mechanism, got {mechanism!r}")
+        self.mechanism = mechanism
+        self.n = check.count("n", n)
+        self.q = check.probability("q", q)
+        if on_nonfinite not in aggregation.NONFINITE_POLICIES:
+            raise ValueError(f"on_nonfinite must be one of {aggregation.NONFINITE_POLICIES}, "
+                             f"got {on_nonfinite!r}")
+        self.on_nonfinite = on_nonfinite
+        self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        if not isinstance(ledger, Ledger):
+            ledger = Ledger(ledger, record=mechanism.record,
+                            microbatch_size=mechanism.microbatch_size)
+        elif (ledger.header.record, ledger.header.microbatch_size) != (
+                mechanism.record, mechanism.microbatch_size):
+            raise ValueError(f"ledger is for record={ledger.header.record!r}, the mechanism for "
+                             f"record={mechanism.record!r}")
+        self.ledger = ledger
+        sampling_seed, noise_seed = np.random.SeedSequence(seed).spawn(2)
+        self.sampler = PoissonSampler(self.n, self.q, seed=sampling_seed)
+        self.rng = self.backend.rng(None if seed is None
+                                    else int(noise_seed.generate_state(1, np.uint64)[0] >> 1))
+        self._events = [SumQueryEvent(g.name, g.clip, g.noise_std) for g in mechanism.groups]
+        self._clips = [g.clip for g in mechanism.groups]
+        self._step_open = False
+
+    @property
+    def expected_size(self) -> float:
+        """q n: the public denominator of every average."""
+        return self.q * self.n
+
+    def begin_step(self) -> None:
+        """Record that a Poisson sample of rate q was drawn from the n records."""
+        self.ledger.record_sampling(self.q, self.n)
+        self._step_open = True
+
+    def sample(self) -> np.ndarray:
+        """Draw a Poisson sample (sorted record indices, possibly empty) and begin its step."""
+        indices = self.sampler.sample()
+        self.begin_step()
+        return indices
+
+    def clip_factors(self, sq_norms, *, mask=None):
+        """Per-record, per-group clip factors (B, G) from per-leaf squared norms (B, L), leaves
+        in ``mechanism.leaves`` order."""
+        norms = aggregation.group_norms(sq_norms, self.mechanism, self.mechanism.leaves)
+        return aggregation.clip_factors(norms, self._clips, mask=mask,
+                                        on_nonfinite=self.on_nonfinite)
+
+    def release_sums(self, clipped_sums: Mapping[str, object]) -> dict:
+        """Ledger, noise, division: the private average from clipped per-leaf sums."""
+        if not self._step_open:
+            raise RuntimeError("no sample to release from: call sample() or begin_step() first")
+        self.mechanism.check_leaves(clipped_sums)
+        self.ledger.record_sum_queries(self._events)
+        self.rng, noisy = aggregation.add_noise(clipped_sums, self.mechanism, self.rng,
+                                                self.backend.standard_normal)
+        return aggregation.scale(noisy, self.expected_size)
+
+    def release(self, per_record: Mapping[str, object], *, mask=None) -> dict:
+        """The private average of ``per_record`` (leaf -> (B, *shape)), rows = the sample's
+        records; ``mask`` (B,) marks real rows of a padded batch."""
+        self.mechanism.check_leaves(per_record)
+        leaves = self.mechanism.leaves
+        factors = self.clip_factors(aggregation.per_leaf_sq_norms(per_record, leaves), mask=mask)
+        zero_rows = None
+        if mask is not None or self.on_nonfinite == "drop":
+            zero_rows = array_namespace(factors).equal(factors[:, 0], 0)
+        sums = aggregation.clipped_sum(per_record, factors, self.mechanism, leaves,
+                                       zero_rows=zero_rows)
+        return self.release_sums(sums)

@@ -1,0 +1,69 @@
+"""The backend contract: what a framework gives the core.
+
+The core computes on arrays through the Python Array API; a backend supplies what that API
+lacks: the namespace of its arrays, conversion to and from NumPy, a random generator
+(seedable for tests, OS entropy by default) with standard-normal noise on the arrays' device,
+and, where it can, per-example gradients of a per-example loss. Capabilities it declares tell
+the core and the conformance suite what it can do.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, Mapping
+
+from .aggregation import per_leaf_sq_norms
+
+#: Capabilities a backend may declare.
+PER_EXAMPLE_GRADS = "per_example_grads"  # per_example_grads() of a loss_fn
+GHOST_NORMS = "ghost_norms"              # norms without materialising per-example gradients
+JIT = "jit"                              # kernels run under a compiler (no host reads inside)
+DISTRIBUTED = "distributed"
+
+
+class UnsupportedCapabilityError(NotImplementedError):
+    """The backend does not declare the capability an operation needs."""
+
+
+class Backend(abc.ABC):
+    """Base class of backends. Subclasses set ``name``, ``version`` and ``capabilities``."""
+
+    name: str
+    version: str
+    capabilities: frozenset[str] = frozenset()
+
+    @abc.abstractmethod
+    def namespace(self) -> Any:
+        """The Array API namespace of this backend's arrays."""
+
+    @abc.abstractmethod
+    def asarray(self, x, dtype: str | None = None):
+        """A backend array from NumPy data; ``dtype`` is a name such as ``"float32"``."""
+
+    @abc.abstractmethod
+    def to_numpy(self, x):
+        """A NumPy copy of a backend array."""
+
+    @abc.abstractmethod
+    def rng(self, seed: int | None = None):
+        """A new random generator: seeded, or from OS entropy when ``seed`` is None."""
+
+    @abc.abstractmethod
+    def standard_normal(self, rng, shape: tuple[int, ...], like) -> tuple[Any, Any]:
+        """``(rng, noise)``: N(0, 1) draws of ``shape`` with ``like``'s dtype and device, and the
+        generator state to use next (stateful generators are returned as they are)."""
+
+    def per_example_grads(self, loss_fn: Callable, params: Mapping[str, Any], batch) -> dict:
+        """Gradients of ``loss_fn(params, batch) -> (B,)``: leaf name -> (B, *leaf shape)."""
+        raise UnsupportedCapabilityError(
+            f"backend {self.name!r} does not compute per-example gradients "
+            f"(it declares {sorted(self.capabilities)})")
+
+    def per_example_sq_norms(self, loss_fn: Callable, params: Mapping[str, Any], batch):
+        """Squared per-example gradient norms (B, L), leaves in ``params`` order. Backends with
+        ghost norms override this to avoid materialising the gradients."""
+        grads = self.per_example_grads(loss_fn, params, batch)
+        return per_leaf_sq_norms(grads, list(params))
+
+    def __repr__(self) -> str:
+        return f"<dpcore backend {self.name!r} {self.version}>"

@@ -1,0 +1,169 @@
+"""Mechanism specs: which vectors are clipped together, with what bound and what noise.
+
+A *record* (one example, one microbatch or one user) contributes vectors v_1..v_m, the
+*leaves* (layers' gradients, metrics, statistics), each named. Leaves are partitioned into
+groups. A group is a Gaussian sum query with privacy tuple (S_g, sigma~_g):
+
+* **separate clipping** (``scales=None``): the group's leaves are one concatenated vector,
+  clipped to L2 norm S_g; N(0, sigma~_g^2) is added to every coordinate of the sum;
+* **joint clipping** (``scales=(alpha_1, ..., alpha_k)``): the scaled vector
+  (v_1/alpha_1, ..., v_k/alpha_k) is clipped to S_g and scaled back, and leaf j receives
+  N(0, (alpha_j sigma~_g)^2), so only the *scaled* vector needs a common bound.
+
+By Eq. (1) of McMahan & Andrew (2018), the groups together are one Gaussian sum query with
+noise multiplier z = (sum_g (S_g / sigma~_g)^2)^(-1/2); that is what the accountant prices.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from . import _validation as check
+
+RECORD_UNITS = ("example", "microbatch", "user")
+
+
+def effective_noise_multiplier(tuples: Iterable[tuple[float, float]]) -> float:
+    """Eq. (1): privacy tuples (S_g, sigma~_g) -> z = (sum_g (S_g / sigma~_g)^2)^(-1/2).
+
+    No tuple gives ``inf`` (nothing released); any noiseless group (sigma~_g = 0) gives 0.
+    """
+    total = 0.0
+    for clip, noise_std in tuples:
+        if noise_std == 0:
+            return 0.0
+        total += (clip / noise_std) ** 2
+    return math.inf if total == 0 else total ** -0.5
+
+
+@dataclass(frozen=True)
+class Group:
+    """Leaves clipped together to L2 norm ``clip`` (S_g), with noise of standard deviation
+    ``noise_std`` (sigma~_g) added to their *sum*; ``scales`` (alpha_j, one per leaf) make it a
+    joint group."""
+
+    name: str
+    leaves: tuple[str, ...]
+    clip: float
+    noise_std: float
+    scales: tuple[float, ...] | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"group name must be a non-empty string, got {self.name!r}")
+        leaves = (self.leaves,) if isinstance(self.leaves, str) else tuple(self.leaves)
+        if not leaves:
+            raise ValueError(f"group {self.name!r}: leaves must be non-empty")
+        for leaf in leaves:
+            if not isinstance(leaf, str) or not leaf:
+                raise ValueError(f"group {self.name!r}: leaf names must be non-empty strings, "
+                                 f"got {leaf!r}")
+        repeated = sorted({leaf for leaf in leaves if leaves.count(leaf) > 1})
+        if repeated:
+            raise ValueError(f"group {self.name!r}: leaves {repeated} appear more than once")
+        object.__setattr__(self, "leaves", leaves)
+        object.__setattr__(self, "clip", check.positive(f"group {self.name!r} clip", self.clip))
+        object.__setattr__(self, "noise_std",
+                           check.non_negative(f"group {self.name!r} noise_std", self.noise_std))
+        if self.scales is not None:
+            scales = tuple(check.positive(f"group {self.name!r} scale of {leaf!r}", a)
+                           for leaf, a in zip(leaves, self.scales))
+            if len(tuple(self.scales)) != len(leaves):
+                raise ValueError(f"group {self.name!r}: {len(tuple(self.scales))} scales for "
+                                 f"{len(leaves)} leaves; give one scale per leaf")
+            object.__setattr__(self, "scales", scales)
+
+    @property
+    def privacy_tuple(self) -> tuple[float, float]:
+        return (self.clip, self.noise_std)
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self.noise_std / self.clip
+
+    def scale(self, leaf: str) -> float:
+        """alpha_j of ``leaf`` (1 under separate clipping)."""
+        return 1.0 if self.scales is None else self.scales[self.leaves.index(leaf)]
+
+    def leaf_noise_std(self, leaf: str) -> float:
+        """Standard deviation of the noise added to the sum of ``leaf``: alpha_j sigma~_g."""
+        return self.scale(leaf) * self.noise_std
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """A partition of the leaves into groups, and the unit of privacy (the record).
+
+    ``record`` is ``"example"``, ``"microbatch"`` (a record is the mean of
+    ``microbatch_size`` examples) or ``"user"`` (all data of one user).
+    """
+
+    groups: tuple[Group, ...]
+    record: str = "example"
+    microbatch_size: int | None = None
+
+    def __post_init__(self):
+        groups = (self.groups,) if isinstance(self.groups, Group) else tuple(self.groups)
+        if not groups:
+            raise ValueError("a mechanism needs at least one group")
+        for group in groups:
+            if not isinstance(group, Group):
+                raise TypeError(f"groups must be Group objects, got {group!r}")
+        names = [g.name for g in groups]
+        dup_names = sorted({n for n in names if names.count(n) > 1})
+        if dup_names:
+            raise ValueError(f"group names must be unique; repeated: {dup_names}")
+        owner: dict[str, str] = {}
+        for group in groups:
+            for leaf in group.leaves:
+                if leaf in owner:
+                    raise ValueError(f"groups overlap: leaf {leaf!r} is in both group "
+                                     f"{owner[leaf]!r} and group {group.name!r}")
+                owner[leaf] = group.name
+        if self.record not in RECORD_UNITS:
+            raise ValueError(f"record must be one of {RECORD_UNITS}, got {self.record!r}")
+        if self.record == "microbatch":
+            check.count("microbatch_size", self.microbatch_size, minimum=1)
+        elif self.microbatch_size is not None:
+            raise ValueError(f"microbatch_size is only meaningful for record='microbatch', "
+                             f"got record={self.record!r}")
+        object.__setattr__(self, "groups", groups)
+
+    @property
+    def leaves(self) -> tuple[str, ...]:
+        """All leaf names, group by group."""
+        return tuple(leaf for g in self.groups for leaf in g.leaves)
+
+    @property
+    def noise_multiplier(self) -> float:
+        """z of Eq. (1) for all groups together."""
+        return effective_noise_multiplier(g.privacy_tuple for g in self.groups)
+
+    def group_of(self, leaf: str) -> Group:
+        for group in self.groups:
+            if leaf in group.leaves:
+                return group
+        raise KeyError(f"leaf {leaf!r} is in no group")
+
+    def check_leaves(self, names: Iterable[str]) -> None:
+        """Raise unless ``names`` are exactly the mechanism's leaves (none missing, none extra)."""
+        names = set(names)
+        ours = set(self.leaves)
+        extra, missing = sorted(names - ours), sorted(ours - names)
+        if extra or missing:
+            parts = []
+            if extra:
+                parts.append(f"leaves in no group: {extra}")
+            if missing:
+                parts.append(f"leaves the groups name but the record lacks: {missing}")
+            raise ValueError("the record's leaves do not match the mechanism's groups; "
+                             + "; ".join(parts))
+
+    def with_noise(self, noise_stds: Mapping[str, float] | Sequence[float]) -> "Mechanism":
+        """The same groups with new sigma~_g (by group name, or in group order)."""
+        if not isinstance(noise_stds, Mapping):
+            noise_stds = dict(zip([g.name for g in self.groups], noise_stds, strict=True))
+        return Mechanism(tuple(Group(g.name, g.leaves, g.clip, noise_stds[g.name], g.scales)
+                               for g in self.groups), self.record, self.microbatch_size)
