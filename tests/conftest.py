@@ -1,0 +1,27 @@
+"""Shared fixtures: the Array API namespaces the core kernels are tested on."""
+
+import importlib
+import importlib.util
+
+import numpy as np
+import pytest
+
+
+def _namespaces():
+    found = [("numpy", lambda: importlib.import_module("array_api_compat.numpy"), 1e-12)]
+    if importlib.util.find_spec("array_api_strict"):
+        found.append(("array_api_strict", lambda: importlib.import_module("array_api_strict"), 1e-12))
+    if importlib.util.find_spec("torch"):
+        found.append(("torch", lambda: importlib.import_module("array_api_compat.torch"), 1e-12))
+    if importlib.util.find_spec("jax"):
+        # JAX computes in float32 unless x64 is enabled globally; test it as users run it.
+        found.append(("jax", lambda: importlib.import_module("jax.numpy"), 2e-5))
+    return found
+
+
+@pytest.fixture(params=_namespaces(), ids=lambda p: p[0])
+def namespace(request):
+    """(xp, rtol): an array namespace and the relative tolerance of its default float dtype."""
+    name, load, rtol = request.param
+    return load(), rtol
+

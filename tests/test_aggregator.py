@@ -1,0 +1,127 @@
+"""PrivateAggregator end to end on the NumPy backend: ledger first, the right noise, exact sums."""
+
+import numpy as np
+import pytest
+
+from dpcore import Group, Mechanism, PrivateAggregator, read_ledger
+from dpcore.aggregation import NonFiniteNormError
+from dpcore.ledger import SamplingEvent, SumQueryEvent
+
+MECHANISM = Mechanism((
+    Group("dense", ("w", "b"), clip=1.0, noise_std=3.0),
+    Group("joint", ("m",), clip=0.5, noise_std=2.0, scales=(4.0,)),
+))
+SHAPES = {"w": (100, 100), "b": (5000,), "m": (20000,)}
+
+
+def zeros(batch):
+    return {leaf: np.zeros((batch, *shape)) for leaf, shape in SHAPES.items()}
+
+
+def test_noise_per_leaf_has_the_standard_deviation_the_ledger_records(tmp_path):
+    path = tmp_path / "run.jsonl"
+    agg = PrivateAggregator(MECHANISM, n=1000, q=0.02, ledger=path, seed=0)
+    steps = 5
+    outputs = []
+    for _ in range(steps):
+        idx = agg.sample()
+        outputs.append(agg.release(zeros(len(idx))))
+    agg.ledger.close()
+    events = read_ledger(path).events
+    recorded = {e.group: e for e in events if isinstance(e, SumQueryEvent)}
+    expected = {"w": recorded["dense"].noise_std, "b": recorded["dense"].noise_std,
+                "m": 4.0 * recorded["joint"].noise_std}  # alpha_j * sigma~_g
+    for leaf, std_on_sum in expected.items():
+        draws = np.concatenate([o[leaf].ravel() for o in outputs]) * agg.expected_size
+        # The sample std of N >= 25,000 normal draws has relative standard error
+        # 1/sqrt(2N) <= 0.45%; a 3% tolerance is > 6 of those yet catches a 10% error.
+        assert np.std(draws) == pytest.approx(std_on_sum, rel=0.03), leaf
+        assert abs(np.mean(draws)) < 5 * std_on_sum / np.sqrt(draws.size)
+    # fresh noise at every step and on every leaf: no correlation between draws
+    a, b = outputs[0]["b"].ravel(), outputs[1]["b"].ravel()
+    assert abs(np.corrcoef(a, b)[0, 1]) < 5 / np.sqrt(a.size)
+    assert abs(np.corrcoef(outputs[0]["b"], outputs[0]["w"].ravel()[:5000])[0, 1]) < 5 / np.sqrt(5000)
+
+
+def test_noiseless_release_is_the_exact_clipped_average():
+    mechanism = MECHANISM.with_noise([0.0, 0.0])
+    agg = PrivateAggregator(mechanism, n=40, q=0.5, seed=1)
+    idx = agg.sample()
+    rng = np.random.default_rng(2)
+    per_record = {leaf: rng.normal(size=(len(idx), 3)) for leaf in ("w", "b", "m")}
+    out = agg.release(per_record)
+    expected = {leaf: np.zeros(3) for leaf in per_record}
+    for i in range(len(idx)):
+        dense = np.concatenate([per_record["w"][i], per_record["b"][i]])
+        f = min(1.0, 1.0 / np.linalg.norm(dense))
+        g = min(1.0, 0.5 / np.linalg.norm(per_record["m"][i] / 4.0))
+        expected["w"] += f * per_record["w"][i]
+        expected["b"] += f * per_record["b"][i]
+        expected["m"] += g * per_record["m"][i]
+    for leaf in per_record:
+        np.testing.assert_allclose(out[leaf], expected[leaf] / 20.0, rtol=1e-12)
+
+
+def test_ledger_gets_one_sampling_event_then_one_query_per_group_each_step():
+    agg = PrivateAggregator(MECHANISM, n=100, q=0.1, seed=3)
+    for _ in range(3):
+        agg.release(zeros(len(agg.sample())))
+    kinds = [type(e) for e in agg.ledger.events]
+    assert kinds == [SamplingEvent, SumQueryEvent, SumQueryEvent] * 3
+    assert agg.ledger.events[0] == SamplingEvent(0.1, 100)
+    assert agg.ledger.events[2] == SumQueryEvent("joint", 0.5, 2.0)
+    assert agg.ledger.steps()[0].count == 3
+    assert agg.ledger.steps()[0].noise_multiplier == pytest.approx(MECHANISM.noise_multiplier)
+
+
+def test_seeds_reproduce_and_differ():
+    def run(seed):
+        agg = PrivateAggregator(MECHANISM, n=100, q=0.1, seed=seed)
+        idx = agg.sample()
+        return idx, agg.release(zeros(len(idx)))["b"]
+
+    (i1, o1), (i2, o2), (i3, o3) = run(7), run(7), run(8)
+    np.testing.assert_array_equal(i1, i2)
+    np.testing.assert_array_equal(o1, o2)
+    assert not np.array_equal(o1, o3)
+
+
+def test_padded_batch_uses_only_real_rows():
+    mechanism = MECHANISM.with_noise([0.0, 0.0])
+    agg = PrivateAggregator(mechanism, n=10, q=0.5, seed=0)
+    agg.begin_step()
+    rng = np.random.default_rng(0)
+    per_record = {leaf: rng.normal(size=(4, 2)) * 0.01 for leaf in ("w", "b", "m")}
+    mask = np.array([True, True, False, False])
+    for v in per_record.values():
+        v[2:] = np.nan
+    out = agg.release(per_record, mask=mask)
+    np.testing.assert_allclose(out["w"], per_record["w"][:2].sum(axis=0) / 5.0)
+
+
+def test_errors():
+    agg = PrivateAggregator(MECHANISM, n=10, q=0.5)
+    with pytest.raises(RuntimeError, match="call sample\\(\\) or begin_step\\(\\) first"):
+        agg.release(zeros(0))
+    agg.begin_step()
+    with pytest.raises(ValueError, match=r"leaves in no group: \['x'\]"):
+        agg.release({**zeros(1), "x": np.zeros((1, 2))})
+    bad = zeros(2)
+    bad["w"][1, 0, 0] = np.nan
+    with pytest.raises(NonFiniteNormError, match=r"records \[1\]"):
+        agg.release(bad)
+    # nothing was released, so nothing but the sampling event is in the ledger
+    assert agg.ledger.events == (SamplingEvent(0.5, 10),)
+    with pytest.raises(ValueError, match=r"q must be in \(0, 1\], got 2"):
+        PrivateAggregator(MECHANISM, n=10, q=2)
+    with pytest.raises(TypeError, match="must be a dpcore Mechanism"):
+        PrivateAggregator({"w": 1.0}, n=10, q=0.5)
+
+
+def test_dropped_records_under_on_nonfinite_drop():
+    agg = PrivateAggregator(MECHANISM.with_noise([0.0, 0.0]), n=4, q=0.5, on_nonfinite="drop")
+    agg.begin_step()
+    per_record = {leaf: np.full((2, 1), 0.1) for leaf in ("w", "b", "m")}
+    per_record["m"][0, 0] = np.inf
+    out = agg.release(per_record)
+    assert out["w"][0] == pytest.approx(0.1 / 2.0)

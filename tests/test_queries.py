@@ -1,0 +1,70 @@
+"""Mechanism specs: validation of every field, and Eq. (1)."""
+
+import math
+
+import pytest
+
+from dpcore.queries import Group, Mechanism, effective_noise_multiplier
+
+
+def test_eq1_combines_privacy_tuples():
+    tuples = [(1.0, 2.0), (3.0, 1.5), (0.5, 0.25)]
+    expected = 1 / math.sqrt(sum((s / sigma) ** 2 for s, sigma in tuples))
+    assert effective_noise_multiplier(tuples) == pytest.approx(expected, rel=1e-15)
+    assert effective_noise_multiplier([(2.0, 3.0)]) == pytest.approx(1.5)
+    assert effective_noise_multiplier([]) == math.inf
+    assert effective_noise_multiplier([(1.0, 1.0), (1.0, 0.0)]) == 0.0
+
+
+def test_mechanism_noise_multiplier_and_leaves():
+    m = Mechanism((Group("a", ("w", "b"), 1.0, 2.0), Group("c", "x", 2.0, 2.0, scales=(3.0,))))
+    assert m.leaves == ("w", "b", "x")
+    assert m.noise_multiplier == pytest.approx((0.25 + 1.0) ** -0.5)
+    assert m.group_of("x").leaf_noise_std("x") == 6.0
+    assert m.group_of("w").leaf_noise_std("w") == 2.0
+    assert m.with_noise({"a": 4.0, "c": 4.0}).noise_multiplier == pytest.approx(
+        (1 / 16 + 1 / 4) ** -0.5)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(clip=0.0), r"clip must be finite and > 0, got 0\.0"),
+    (dict(clip=-1.0), r"clip must be finite and > 0, got -1\.0"),
+    (dict(clip=math.inf), r"clip must be finite and > 0, got inf"),
+    (dict(clip=math.nan), r"clip must be a number, got NaN"),
+    (dict(noise_std=-0.1), r"noise_std must be finite and >= 0, got -0\.1"),
+    (dict(noise_std="1"), r"noise_std must be a real number, got '1'"),
+    (dict(scales=(1.0, 0.0)), r"scale of 'b' must be finite and > 0, got 0\.0"),
+    (dict(scales=(1.0, -2.0)), r"scale of 'b' must be finite and > 0, got -2\.0"),
+    (dict(scales=(1.0,)), r"1 scales for 2 leaves"),
+    (dict(leaves=()), r"leaves must be non-empty"),
+    (dict(leaves=("a", "a")), r"leaves \['a'\] appear more than once"),
+    (dict(name=""), r"group name must be a non-empty string"),
+])
+def test_group_rejects_bad_values(kwargs, message):
+    args = dict(name="g", leaves=("a", "b"), clip=1.0, noise_std=1.0) | kwargs
+    with pytest.raises((ValueError, TypeError), match=message):
+        Group(**args)
+
+
+def test_mechanism_rejects_overlap_and_duplicates():
+    with pytest.raises(ValueError, match="leaf 'w' is in both group 'a' and group 'b'"):
+        Mechanism((Group("a", ("w",), 1, 1), Group("b", ("w", "x"), 1, 1)))
+    with pytest.raises(ValueError, match=r"repeated: \['a'\]"):
+        Mechanism((Group("a", ("w",), 1, 1), Group("a", ("x",), 1, 1)))
+    with pytest.raises(ValueError, match="at least one group"):
+        Mechanism(())
+    with pytest.raises(ValueError, match="record must be one of"):
+        Mechanism(Group("a", "w", 1, 1), record="batch")
+    with pytest.raises(ValueError, match="microbatch_size must be an integer >= 1, got 0"):
+        Mechanism(Group("a", "w", 1, 1), record="microbatch", microbatch_size=0)
+    with pytest.raises(TypeError, match="microbatch_size must be an integer"):
+        Mechanism(Group("a", "w", 1, 1), record="microbatch")
+    with pytest.raises(ValueError, match="only meaningful for record='microbatch'"):
+        Mechanism(Group("a", "w", 1, 1), microbatch_size=4)
+
+
+def test_check_leaves_names_missing_and_extra():
+    m = Mechanism((Group("a", ("w", "b"), 1, 1),))
+    m.check_leaves(["b", "w"])
+    with pytest.raises(ValueError, match=r"in no group: \['x'\].*lacks: \['b'\]"):
+        m.check_leaves(["w", "x"])
