@@ -65,5 +65,14 @@ class Backend(abc.ABC):
         grads = self.per_example_grads(loss_fn, params, batch)
         return per_leaf_sq_norms(grads, list(params))
 
+    def private_gradient(self, loss_fn: Callable, params: Mapping[str, Any], batch, aggregator,
+                         *, mask=None) -> dict:
+        """One step's private average gradient: per-example gradients of ``loss_fn``, clipped
+        by ``aggregator.mechanism``, summed, noised and divided by q n, with the step's sum
+        queries in ``aggregator.ledger``. The step's sampling event must already be recorded
+        (``aggregator.sample()`` or ``begin_step()``). Backends with faster paths (ghost
+        clipping, fused compiled steps) override this; the conformance suite checks it."""
+        return aggregator.release(self.per_example_grads(loss_fn, params, batch), mask=mask)
+
     def __repr__(self) -> str:
         return f"<dpcore backend {self.name!r} {self.version}>"
