@@ -210,6 +210,11 @@ class Ledger:
                 self._emit([self.header.to_json()])
 
     @property
+    def _sampled(self) -> bool:
+        """Whether a sampling event has been recorded (sum queries need one before them)."""
+        return bool(self._events) and isinstance(self._events[0], SamplingEvent)
+
+    @property
     def events(self) -> tuple[Event, ...]:
         return tuple(self._events)
 
@@ -218,7 +223,7 @@ class Ledger:
         for event in events:
             if not isinstance(event, (SamplingEvent, SumQueryEvent)):
                 raise TypeError(f"expected SamplingEvent or SumQueryEvent, got {event!r}")
-        seen_sampling = any(isinstance(e, SamplingEvent) for e in self._events)
+        seen_sampling = self._sampled
         for event in events:
             seen_sampling = seen_sampling or isinstance(event, SamplingEvent)
             if isinstance(event, SumQueryEvent) and not seen_sampling:
