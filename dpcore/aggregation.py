@@ -58,11 +58,16 @@ def group_weights(mechanism: Mechanism, leaves: Sequence[str]) -> np.ndarray:
 
 
 def group_norms(sq_norms, mechanism: Mechanism, leaves: Sequence[str]):
-    """Norms (B, G) of each record's (scaled) group vectors from per-leaf squared norms (B, L)."""
+    """Norms (B, G) of each record's (scaled) group vectors from per-leaf squared norms (B, L).
+
+    A record with any non-finite squared norm gets norm ``inf`` in every group (so that
+    :func:`clip_factors` raises or drops it), without forming inf * 0 in the product."""
     xp = array_namespace(sq_norms)
     weights = xp.asarray(group_weights(mechanism, leaves).tolist(), dtype=sq_norms.dtype,
                          device=device(sq_norms))
-    return xp.sqrt(sq_norms @ weights)
+    finite = xp.all(xp.isfinite(sq_norms), axis=1)[:, None]
+    norms = xp.sqrt(xp.where(finite, sq_norms, xp.zeros_like(sq_norms)) @ weights)
+    return xp.where(finite, norms, xp.full_like(norms, math.inf))
 
 
 def clip_factors(norms, clips: Sequence[float], *, mask=None, on_nonfinite: str = "raise"):
