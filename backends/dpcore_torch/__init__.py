@@ -1,0 +1,36 @@
+"""dpcore_torch: the PyTorch backend of dpcore.
+
+* :func:`make_private` - model, optimizer and loader in, private ones out (the Opacus-style path);
+* :class:`PerExampleEngine` + :func:`private_grads` - the functional step for custom loops;
+* :func:`poisson_loader` - Poisson-sampled batches (empty batches included);
+* :class:`TorchBackend` - the dpcore backend contract (``dpcore.get_backend("torch")``).
+
+Names are imported on first use, so that importing the entry-point module
+:mod:`dpcore_torch.plugin` (which dpcore does to list backends) imports no torch.
+"""
+
+from importlib import import_module
+
+_HOME = {
+    "TorchBackend": "backend",
+    "PoissonBatchSampler": "data", "poisson_loader": "data",
+    "LeakedGradientError": "engine", "NotPerExampleError": "engine",
+    "PerExampleEngine": "engine",
+    "PrivateOptimizer": "optimizer",
+    "build_mechanism": "privacy", "make_private": "privacy",
+    "private_grads": "step",
+}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name):
+    if name not in _HOME:
+        raise AttributeError(f"module 'dpcore_torch' has no attribute {name!r}")
+    value = getattr(import_module(f".{_HOME[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

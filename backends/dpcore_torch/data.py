@@ -1,0 +1,80 @@
+"""Poisson-sampled batches for a torch ``Dataset``.
+
+Each step every record joins the batch independently with probability q (batch size
+Binomial(n, q), possibly zero), drawn by :class:`dpcore.PoissonSampler`. This, not shuffled
+fixed-size batches, is the sampling the accountants' amplification analysis assumes. An empty
+batch is a batch of zero examples with the same structure as a non-empty one, so the training
+loop runs a (pure-noise) step for it instead of skipping it: skipping would make the number of
+released steps depend on the data.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data.dataloader import default_collate
+from torch.utils._pytree import tree_map
+
+from dpcore import PoissonSampler
+
+
+class PoissonBatchSampler(Sampler[list[int]]):
+    """``steps`` Poisson samples of ``range(n)`` at rate ``q`` (default: about one epoch, 1/q)."""
+
+    def __init__(self, n: int, q: float, *, steps: int | None = None, seed=None):
+        self.sampler = PoissonSampler(n, q, seed=seed)
+        self.steps = steps_per_epoch(q) if steps is None else steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self.steps):
+            yield self.sampler.sample().tolist()
+
+    def __len__(self) -> int:
+        return self.steps
+
+
+class _EmptySafeCollate:
+    """``collate`` that turns an empty list into a zero-example batch shaped like one example."""
+
+    def __init__(self, dataset: Dataset, collate):
+        self.dataset, self.collate = dataset, collate
+
+    def __call__(self, examples):
+        if examples:
+            return self.collate(examples)
+        one = self.collate([self.dataset[0]])
+        return tree_map(lambda t: t[:0] if hasattr(t, "shape") and len(t.shape) else t, one)
+
+
+def poisson_loader(dataset: Dataset, q: float, *, steps: int | None = None, seed=None,
+                   collate_fn=None, **loader_kwargs) -> DataLoader:
+    """A DataLoader of Poisson samples of ``dataset`` at rate ``q`` (``loader_kwargs`` such as
+    ``num_workers`` or ``pin_memory`` are passed on). ``loader.sample_rate`` is q."""
+    n = len(dataset)
+    if n == 0:
+        raise ValueError("cannot sample from an empty dataset")
+    batches = PoissonBatchSampler(n, q, steps=steps, seed=seed)
+    loader = DataLoader(dataset, batch_sampler=batches,
+                        collate_fn=_EmptySafeCollate(dataset, collate_fn or default_collate),
+                        **loader_kwargs)
+    loader.sample_rate = q
+    return loader
+
+
+def sample_rate_of(loader: DataLoader) -> float:
+    """q = expected batch size / n for a loader to be replaced by Poisson sampling."""
+    n = len(loader.dataset)
+    size = loader.batch_size
+    if size is None:  # a custom batch_sampler: use its number of batches per epoch
+        return 1.0 / len(loader)
+    if not 0 < size <= n:
+        raise ValueError(f"batch_size {size} must be in [1, len(dataset) = {n}]")
+    return size / n
+
+
+def steps_per_epoch(q: float) -> int:
+    """Steps that visit n records in expectation: round(1 / q)."""
+    return max(1, math.floor(1 / q + 0.5))
+

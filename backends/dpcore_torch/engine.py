@@ -1,0 +1,265 @@
+"""The per-example engine: instruments an ``nn.Module`` so that one ordinary forward and backward
+pass yields per-example squared norms (B, L) and clipped sums for every trainable parameter.
+
+Every trainable parameter (a *leaf*, named as in ``module.named_parameters()``) is owned by a
+*unit*: a layer with a rule (:mod:`dpcore_torch.layers`: Linear, Conv1d/2d, Embedding, LayerNorm,
+GroupNorm) or a fallback module (:mod:`dpcore_torch.fallback`, ``torch.func``). A leaf used once
+takes its rule's cheapest norm (ghost or materialised) and book-keeping sum; a leaf used several
+times in a step (tied weights, a layer called twice) has its per-example gradient formed as the
+sum of the uses' contributions, grad_i = sum_u grad_i^(u), before any norm is taken.
+
+Loss reduction: with ``loss_reduction="mean"`` the backprops carry a factor 1/B; the engine
+multiplies per-example gradients by B (norms by B^2), so they are always the gradients of each
+example's own loss. ``"sum"`` takes them as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .fallback import FallbackUnit, replaying
+from .layers import RULES, Rule
+
+MODES = ("auto", "vmap")
+REDUCTIONS = ("mean", "sum")
+
+
+class NotPerExampleError(ValueError):
+    """The model contains a layer whose output for one example depends on other examples."""
+
+
+class LeakedGradientError(RuntimeError):
+    """A parameter got a gradient that no instrumented layer saw per example."""
+
+
+def check_per_example(module: nn.Module) -> None:
+    """Raise :class:`NotPerExampleError` for layers that mix the examples of a batch."""
+    for name, sub in module.named_modules():
+        _check_layer(name or "<root>", sub)
+
+
+def _check_layer(name: str, sub: nn.Module) -> None:
+    if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
+        c = sub.num_features
+        raise NotPerExampleError(
+            f"{type(sub).__name__} {name!r} is in training mode: it normalises each example "
+            f"with statistics of the whole batch, so per-example gradients (and DP) are "
+            f"undefined. Replace it with nn.GroupNorm({min(32, c)}, {c}) (or nn.LayerNorm), or "
+            f"call .eval() on it to use frozen running statistics")
+    if isinstance(sub, (nn.MultiheadAttention, nn.RNNBase)) and not sub.batch_first:
+        raise NotPerExampleError(
+            f"{type(sub).__name__} {name!r} has batch_first=False: dpcore needs the examples on "
+            f"axis 0; construct it with batch_first=True and pass (batch, sequence, feature) "
+            f"inputs")
+
+
+def _refuse_training_batchnorm(name: str):
+    def refuse(module, args):
+        if torch.is_grad_enabled():
+            _check_layer(name, module)
+    return refuse
+
+
+class _RuleUnit:
+    """A layer with a rule; its forward is routed through the rule's autograd function."""
+
+    def __init__(self, module: nn.Module, rule: Rule, names: dict[str, str]):
+        self.module, self.rule, self.names = module, rule, names  # attr -> leaf name
+        self.calls = []
+        original = module.forward
+
+        def forward(*args, **kwargs):
+            if replaying() or not torch.is_grad_enabled():
+                return original(*args, **kwargs)
+            return rule.forward(module, self.calls, args, kwargs)
+
+        module.forward = forward
+
+    def remove(self) -> None:
+        del self.module.forward
+
+    def grads(self, call):
+        return {k: self.rule.cached_grad(self.module, call, k) for k in self.names}
+
+
+class PerExampleEngine:
+    """Per-example norms and clipped sums of ``module``'s trainable parameters.
+
+    ``mode="auto"`` uses the layer rules and falls back to ``torch.func`` per module;
+    ``mode="vmap"`` treats the whole model as one ``torch.func`` unit. Call :meth:`clear` (the
+    private optimizer does) between steps, :meth:`detach` to restore the module.
+    """
+
+    def __init__(self, module: nn.Module, *, mode: str = "auto", loss_reduction: str = "mean"):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if loss_reduction not in REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {REDUCTIONS}, got {loss_reduction!r}")
+        check_per_example(module)
+        self.module, self.mode, self.loss_reduction = module, mode, loss_reduction
+        self.params: dict[str, nn.Parameter] = {
+            name: p for name, p in module.named_parameters() if p.requires_grad}
+        if not self.params:
+            raise ValueError(f"{type(module).__name__} has no trainable parameters")
+        self._leaf_of = {id(p): name for name, p in self.params.items()}
+        self.units: list = []
+        self._handles = []
+        self._leaked: set[str] = set()
+        if mode == "vmap":
+            self._add_fallback(module, recurse=True, prefix="")
+        else:
+            self._walk(module, "")
+        self._handles += [sub.register_forward_pre_hook(_refuse_training_batchnorm(name))
+                          for name, sub in module.named_modules()
+                          if isinstance(sub, nn.modules.batchnorm._BatchNorm)]
+
+    # ------------------------------------------------------------------ instrumentation
+    def _walk(self, module: nn.Module, prefix: str) -> None:
+        own = {k: p for k, p in module.named_parameters(recurse=False) if p.requires_grad}
+        rule = RULES.get(type(module))
+        if rule is not None and own:
+            for attr in own:
+                rule.check(module, prefix.rstrip(".") or "<root>")
+            names = {attr: self._leaf_of[id(p)] for attr, p in own.items()}
+            self.units.append(_RuleUnit(module, rule, names))
+            for p, leaf in zip(own.values(), names.values()):
+                self._handles.append(p.register_hook(self._leak_detector(leaf)))
+            return
+        if own and type(module).__module__.startswith("torch."):
+            # a built-in layer without a rule may use its children's parameters functionally
+            # (nn.MultiheadAttention and out_proj): one unit for the whole subtree
+            self._add_fallback(module, recurse=True, prefix=prefix)
+            return
+        if own:
+            self._add_fallback(module, recurse=False, prefix=prefix)
+        for name, child in module.named_children():
+            self._walk(child, f"{prefix}{name}.")
+
+    def _add_fallback(self, module: nn.Module, *, recurse: bool, prefix: str) -> None:
+        names = {k: self._leaf_of[id(p)]
+                 for k, p in module.named_parameters(recurse=recurse) if p.requires_grad}
+        if names:
+            self.units.append(FallbackUnit(module, names))
+
+    def _leak_detector(self, leaf: str):
+        def detect(grad):
+            if grad is not None:  # our layers' functions return None for parameters
+                self._leaked.add(leaf)
+            return grad
+        return detect
+
+    def detach(self) -> None:
+        """Remove every hook and restore the layers' own forward methods."""
+        for unit in self.units:
+            unit.remove()
+        for handle in self._handles:
+            handle.remove()
+        self.units, self._handles = [], []
+
+    def clear(self) -> None:
+        """Forget the inputs and backprops kept for the current step."""
+        for unit in self.units:
+            unit.calls.clear()
+        self._leaked.clear()
+
+    # ------------------------------------------------------------------ per-step results
+    @property
+    def leaf_sizes(self) -> dict[str, int]:
+        return {name: p.numel() for name, p in self.params.items()}
+
+    def _contributions(self) -> tuple[dict[str, list], int]:
+        if self._leaked:
+            raise LeakedGradientError(
+                f"parameters {sorted(self._leaked)} received gradients from a use dpcore could "
+                f"not see per example (e.g. F.linear(h, layer.weight) outside the layer's own "
+                f"forward). Use the weight only through modules (tie weights by assigning the "
+                f"same Parameter to two modules), or make_private(..., mode='vmap')")
+        contributions: dict[str, list] = {leaf: [] for leaf in self.params}
+        sizes = set()
+        for unit in self.units:
+            for call in unit.calls:
+                sizes.add(call.batch_size)
+                if not call.reached:
+                    continue  # output unused by the loss: contributes zero
+                for key, leaf in unit.names.items():
+                    contributions[leaf].append((unit, call, key))
+        if len(sizes) > 1:
+            raise ValueError(f"the layers saw batches of different sizes {sorted(sizes)} in one "
+                             f"step; dpcore needs every layer's input to have the examples on "
+                             f"axis 0 (batch_first=True)")
+        return contributions, (sizes.pop() if sizes else 0)
+
+    def _scale(self, batch: int) -> float:
+        return float(batch) if self.loss_reduction == "mean" and batch > 0 else 1.0
+
+    @staticmethod
+    def _grad(unit, call, key):
+        if isinstance(unit, FallbackUnit):
+            return unit.grads(call)[key]
+        return unit.rule.cached_grad(unit.module, call, key)
+
+    def _summed_grad(self, uses):
+        return sum(self._grad(*use) for use in uses)
+
+    def batch_size(self) -> int:
+        return self._contributions()[1]
+
+    def per_example_grads(self) -> dict[str, torch.Tensor]:
+        """Materialised per-example gradients {leaf: (B, *shape)} of the current step."""
+        contributions, batch = self._contributions()
+        scale = self._scale(batch)
+        out = {}
+        for leaf, uses in contributions.items():
+            p = self.params[leaf]
+            out[leaf] = (self._summed_grad(uses) * scale if uses
+                         else p.new_zeros((batch, *p.shape)))
+        return out
+
+    def sq_norms(self, leaves: Sequence[str]):
+        """Squared per-example norms (B, L), columns in ``leaves`` order."""
+        contributions, batch = self._contributions()
+        cols = []
+        for leaf in leaves:
+            uses = contributions[leaf]
+            p = self.params[leaf]
+            if not uses:
+                cols.append(p.new_zeros(batch))
+            elif len(uses) == 1 and isinstance(uses[0][0], _RuleUnit):
+                unit, call, key = uses[0]
+                cols.append(unit.rule.sq_norm(unit.module, call, key))
+            else:
+                g = self._summed_grad(uses)
+                cols.append(g.flatten(1).pow(2).sum(1))
+        if not cols:
+            raise ValueError("no leaves given")
+        norms = torch.stack(cols, dim=1)
+        scale = self._scale(batch)
+        return norms * (scale * scale) if scale != 1.0 else norms
+
+    def clipped_sums(self, factors, groups: Mapping[str, int]) -> dict[str, torch.Tensor]:
+        """sum_i factors[i, groups[leaf]] * grad_i for every leaf: the book-keeping sums."""
+        contributions, batch = self._contributions()
+        scale = self._scale(batch)
+        out = {}
+        for leaf, column in groups.items():
+            uses, p = contributions[leaf], self.params[leaf]
+            c = factors[:, column]
+            if scale != 1.0:
+                c = c * scale
+            if not uses:
+                out[leaf] = torch.zeros_like(p)
+            elif len(uses) == 1 and isinstance(uses[0][0], _RuleUnit):
+                unit, call, key = uses[0]
+                out[leaf] = unit.rule.weighted_sum(unit.module, call, key, c)
+            else:
+                g = self._summed_grad(uses)
+                out[leaf] = torch.tensordot(c.to(g.dtype), g, dims=1)
+        return out
+
+    def __repr__(self) -> str:
+        kinds = [type(u.module).__name__ + ("" if isinstance(u, _RuleUnit) else "(vmap)")
+                 for u in self.units]
+        return f"PerExampleEngine(mode={self.mode!r}, units={kinds})"

@@ -1,0 +1,136 @@
+"""Per-example gradients of any module by ``torch.func``, from the inputs and output backprops
+kept from the one ordinary backward pass.
+
+For a module f with parameters theta, inputs x_i and output backprop g_i = dL/df(x_i) of
+example i, the chain rule gives the per-example gradient
+
+    grad_i = d/d theta <f(x_i; theta), g_i>,
+
+which ``vmap(grad(.))`` evaluates for all i by re-running f on one example at a time (as a batch
+of one). This is the fallback for layers without a rule in :mod:`dpcore_torch.layers`, and with
+the whole model as f it is the ``mode="vmap"`` engine. Inputs must have the examples on axis 0;
+keyword arguments are passed unchanged to every example (e.g. an attention mask shared by all).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+from torch.utils._pytree import tree_flatten
+
+_state = threading.local()
+
+
+def replaying() -> bool:
+    """True while a fallback re-runs a module per example: instrumented layers inside it must
+    run their plain forward and record nothing."""
+    return getattr(_state, "replaying", False)
+
+
+@contextmanager
+def _replay():
+    previous = replaying()
+    _state.replaying = True
+    try:
+        yield
+    finally:
+        _state.replaying = previous
+
+
+class Call:
+    """One call of a fallback module: positional args, keyword args, and the backprops of its
+    floating-point tensor outputs (None until the backward pass reaches them)."""
+
+    __slots__ = ("args", "kwargs", "g", "cache")
+
+    def __init__(self, args, kwargs, n_outputs):
+        self.args, self.kwargs = args, kwargs
+        self.g = [None] * n_outputs
+        self.cache = None
+
+    @property
+    def batch_size(self) -> int:
+        return next(a.shape[0] for a in self.args if isinstance(a, torch.Tensor))
+
+    @property
+    def reached(self) -> bool:
+        """Whether the backward pass reached any output (else the call contributes zero)."""
+        return any(g is not None for g in self.g)
+
+
+def _float_tensors(out):
+    leaves, _ = tree_flatten(out)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+class FallbackUnit:
+    """A module whose parameters ``names`` (keys relative to the module) get per-example
+    gradients through ``torch.func``."""
+
+    def __init__(self, module: nn.Module, names: dict[str, str]):
+        self.module, self.names = module, names  # key in module -> leaf name
+        self.calls: list[Call] = []
+        self._handle = module.register_forward_hook(self._on_forward, with_kwargs=True)
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+    def _on_forward(self, module, args, kwargs, out):
+        if replaying() or not torch.is_grad_enabled():
+            return
+        if not any(isinstance(a, torch.Tensor) for a in args):
+            raise TypeError(f"{type(module).__name__} was called without a positional tensor "
+                            f"argument; dpcore's per-example fallback needs the batch as a "
+                            f"positional tensor with the examples on axis 0")
+        outputs = _float_tensors(out)
+        call = Call(tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
+                    kwargs, len(outputs))
+        for k, t in enumerate(outputs):
+            if t.requires_grad:
+                t.register_hook(self._keeper(call, k))
+        self.calls.append(call)
+
+    @staticmethod
+    def _keeper(call, k):
+        def keep(g):
+            call.g[k] = g if call.g[k] is None else call.g[k] + g
+        return keep
+
+    def grads(self, call: Call) -> dict[str, torch.Tensor]:
+        """{key: (B, *shape)} per-example gradients of this call (cached)."""
+        if call.cache is not None:
+            return call.cache
+        params = {k: self.module.get_parameter(k).detach() for k in self.names}
+        b = call.batch_size
+        if b == 0 or all(g is None for g in call.g):
+            call.cache = {k: p.new_zeros((b, *p.shape)) for k, p in params.items()}
+            return call.cache
+        positions = [i for i, a in enumerate(call.args) if isinstance(a, torch.Tensor)]
+        for i in positions:
+            if call.args[i].shape[0] != b:
+                raise ValueError(
+                    f"{type(self.module).__name__} got positional tensors with different "
+                    f"leading sizes ({[call.args[j].shape[0] for j in positions]}); dpcore needs "
+                    f"the examples on axis 0 of every positional input (batch_first=True)")
+        module, args, kwargs = self.module, list(call.args), call.kwargs
+
+        def inner(p, tensors, backprops):
+            full = list(args)
+            for i, t in zip(positions, tensors):
+                full[i] = t.unsqueeze(0)
+            with _replay():
+                out = _float_tensors(functional_call(module, p, tuple(full), kwargs))
+            return sum((o * g.unsqueeze(0)).sum() for o, g in zip(out, backprops)
+                       if g is not None)
+
+        tensors = [call.args[i] for i in positions]
+        dims = [None if g is None else 0 for g in call.g]
+        with torch.no_grad(), warnings.catch_warnings():  # the result is data, no graph
+            warnings.filterwarnings("ignore", "There is a performance drop")  # expected here
+            call.cache = vmap(grad(inner), in_dims=(None, 0, dims))(params, tensors, call.g)
+        return call.cache

@@ -1,0 +1,391 @@
+"""Per-layer rules: per-example gradients, their squared norms and clipped sums from one backward.
+
+An instrumented layer runs its forward through a custom autograd function that keeps its input
+``x`` and, during the ordinary backward pass, the backprop ``g = dL/d(output)``; the function
+returns the input's gradient only, so autograd never forms the (non-private) summed parameter
+gradient. From (x, g) each rule gives, for example i:
+
+* the per-example gradient (materialised, ``grad``);
+* its squared norm (``sq_norm``), by the ghost-norm identity when that is cheaper;
+* the clipped sum ``sum_i c_i grad_i`` (``weighted_sum``), from x and c_i g_i directly
+  ("book-keeping", Bu et al. 2023): one product the size of an ordinary weight gradient.
+
+Linear, x (B, T, d_in), g (B, T, d_out), T the product of the middle axes (1 for plain vectors):
+    grad_i = g_i^T x_i,  ||grad_i||^2 = <x_i x_i^T, g_i g_i^T>_F  (ghost: B T^2 (d_in + d_out) work,
+    against B T d_in d_out to materialise; T = 1 gives ||x_i||^2 ||g_i||^2).
+Conv (unfolded input X_i of shape (D, L), g_i of shape (O, L), per group): grad_i = g_i X_i^T,
+    ghost ||grad_i||^2 = <X_i^T X_i, g_i^T g_i>_F, cost L^2 (D + O) against L D O.
+Embedding, indices k_i (T,): grad_i = sum_t e_{k_it} g_it^T,
+    ||grad_i||^2 = sum_{t,s} [k_it = k_is] <g_it, g_is>, never materialised (B V d).
+LayerNorm / GroupNorm, normalised input xh: grad_weight_i = sum (g_i * xh_i), grad_bias_i = sum g_i
+    over the non-channel axes (small, always materialised).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.grad import conv1d_input, conv2d_input
+
+
+class Use:
+    """One call of an instrumented layer in the current step: its input ``x``, the backprop
+    ``g`` of its output (set by the backward pass), statistics ``aux`` and a cache of
+    materialised per-example gradients."""
+
+    __slots__ = ("x", "g", "aux", "cache")
+
+    def __init__(self, x, aux=None):
+        self.x, self.g, self.aux, self.cache = x, None, aux, {}
+
+    @property
+    def batch_size(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def reached(self) -> bool:
+        """Whether the backward pass reached this call (else it contributes zero)."""
+        return self.g is not None
+
+
+# --------------------------------------------------------------------------- autograd functions
+# Each returns the input's gradient only (None for parameters), and stores g in the Use.
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, use, x, weight, bias):
+        ctx.use = use
+        ctx.save_for_backward(weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.use.g = g
+        gx = g.matmul(ctx.saved_tensors[0]) if ctx.needs_input_grad[1] else None
+        return None, gx, None, None
+
+
+class _Conv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, use, x, weight, bias, stride, padding, dilation, groups):
+        ctx.use, ctx.conf, ctx.shape = use, (stride, padding, dilation, groups), x.shape
+        ctx.save_for_backward(weight)
+        conv = F.conv1d if x.dim() == 3 else F.conv2d
+        return conv(x, weight, bias, stride, padding, dilation, groups)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.use.g = g
+        gx = None
+        if ctx.needs_input_grad[1]:
+            conv_input = conv1d_input if len(ctx.shape) == 3 else conv2d_input
+            gx = conv_input(ctx.shape, ctx.saved_tensors[0], g, *ctx.conf)
+        return None, gx, None, None, None, None, None, None
+
+
+class _Embedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, use, indices, weight, padding_idx, max_norm, norm_type, sparse):
+        ctx.use = use
+        return F.embedding(indices, weight, padding_idx, max_norm, norm_type, False, sparse)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.use.g = g
+        return None, None, None, None, None, None, None
+
+
+class _LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, use, x, weight, bias, shape, eps):
+        out, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
+        use.aux = (mean, rstd)
+        ctx.use, ctx.shape = use, shape
+        ctx.save_for_backward(x, mean, rstd, weight, bias)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.use.g = g
+        gx = None
+        if ctx.needs_input_grad[1]:
+            x, mean, rstd, weight, bias = ctx.saved_tensors
+            gx = torch.ops.aten.native_layer_norm_backward(
+                g.contiguous(), x, ctx.shape, mean, rstd, weight, bias, [True, False, False])[0]
+        return None, gx, None, None, None, None
+
+
+class _GroupNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, use, x, weight, bias, groups, eps):
+        n, c = x.shape[0], x.shape[1]
+        hw = math.prod(x.shape[2:])
+        out, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, hw, groups, eps)
+        use.aux = (mean, rstd)
+        ctx.use, ctx.conf = use, (n, c, hw, groups)
+        ctx.save_for_backward(x, mean, rstd, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.use.g = g
+        gx = None
+        if ctx.needs_input_grad[1]:
+            x, mean, rstd, weight = ctx.saved_tensors
+            gx = torch.ops.aten.native_group_norm_backward(
+                g.contiguous(), x, mean, rstd, weight, *ctx.conf, [True, False, False])[0]
+        return None, gx, None, None, None, None
+
+
+# --------------------------------------------------------------------------- rules
+
+def _sq(t):
+    """Squared L2 norm of every row of t: (B, ...) -> (B,)."""
+    t = t.flatten(1)
+    return torch.einsum("bi,bi->b", t, t)
+
+
+def _contract(c, grads):
+    """sum_i c_i grads_i."""
+    return torch.tensordot(c.to(grads.dtype), grads, dims=1)
+
+
+class Rule:
+    """How one layer type forms per-example gradients, norms and clipped sums.
+
+    ``grad(module, use, name)`` is the per-example gradient of parameter ``name`` (B, *shape);
+    ``sq_norm`` and ``weighted_sum`` default to materialising it (cached in the Use) and are
+    overridden where a cheaper identity exists."""
+
+    params = ("weight", "bias")
+
+    def check(self, module: nn.Module, name: str) -> None:
+        """Raise if ``module``'s configuration makes per-example gradients undefined."""
+
+    def forward(self, module, use_list, args, kwargs):
+        raise NotImplementedError
+
+    def grad(self, module, use, name):
+        raise NotImplementedError
+
+    def cached_grad(self, module, use, name):
+        if name not in use.cache:
+            use.cache[name] = self.grad(module, use, name)
+        return use.cache[name]
+
+    def sq_norm(self, module, use, name):
+        return _sq(self.cached_grad(module, use, name))
+
+    def weighted_sum(self, module, use, name, c):
+        return _contract(c, self.cached_grad(module, use, name))
+
+
+def _record(use_list, x, aux=None) -> Use:
+    use = Use(x.detach(), aux)
+    use_list.append(use)
+    return use
+
+
+class LinearRule(Rule):
+    @staticmethod
+    def _xg(use):
+        x, g = use.x, use.g
+        b, t = x.shape[0], math.prod(x.shape[1:-1])
+        return x.reshape(b, t, x.shape[-1]), g.reshape(b, t, g.shape[-1])
+
+    def forward(self, module, use_list, args, kwargs):
+        (x,) = args
+        return _Linear.apply(_record(use_list, x), x, module.weight, module.bias)
+
+    def grad(self, module, use, name):
+        x, g = self._xg(use)
+        if name == "bias":
+            return g.sum(1)
+        return torch.einsum("bto,bti->boi", g, x)
+
+    def sq_norm(self, module, use, name):
+        x, g = self._xg(use)
+        if name == "bias":
+            return _sq(g.sum(1))
+        t, d_in, d_out = x.shape[1], x.shape[2], g.shape[2]
+        if t == 1:
+            return _sq(x) * _sq(g)
+        if t * (d_in + d_out) < d_in * d_out:  # ghost norm is cheaper than materialising
+            gram_x = torch.bmm(x, x.transpose(1, 2))
+            gram_g = torch.bmm(g, g.transpose(1, 2))
+            return torch.einsum("bts,bts->b", gram_x, gram_g)
+        return super().sq_norm(module, use, name)
+
+    def weighted_sum(self, module, use, name, c):
+        if name in use.cache:
+            return _contract(c, use.cache[name])
+        x, g = self._xg(use)
+        cg = g * c.to(g.dtype)[:, None, None]
+        if name == "bias":
+            return cg.sum((0, 1))
+        return cg.reshape(-1, cg.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+
+
+class ConvRule(Rule):
+    """Conv1d and Conv2d with zero padding of any size (other padding modes and asymmetric
+    'same' padding are applied to the input first, as the module itself does)."""
+
+    @staticmethod
+    def _padding(module, spatial):
+        """(explicit F.pad widths or None, symmetric padding for the convolution)."""
+        k, d = module.kernel_size, module.dilation
+        if isinstance(module.padding, str):
+            if module.padding == "valid":
+                sides = [(0, 0)] * len(k)
+            else:  # "same": total d (k - 1), the extra one on the right as torch does
+                sides = [(d_ * (k_ - 1) // 2, d_ * (k_ - 1) - d_ * (k_ - 1) // 2)
+                         for k_, d_ in zip(k, d)]
+        else:
+            sides = [(p, p) for p in module.padding]
+        if module.padding_mode == "zeros" and all(lo == hi for lo, hi in sides):
+            return None, tuple(lo for lo, _ in sides)
+        widths = [w for lo, hi in reversed(sides) for w in (lo, hi)]
+        return widths, (0,) * len(k)
+
+    def forward(self, module, use_list, args, kwargs):
+        (x,) = args
+        widths, padding = self._padding(module, x.dim() - 2)
+        if widths is not None:
+            mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+            x = F.pad(x, widths, mode=mode)
+        use = _record(use_list, x, aux=padding)
+        return _Conv.apply(use, x, module.weight, module.bias, module.stride, padding,
+                           module.dilation, module.groups)
+
+    @staticmethod
+    def _unfolded(module, use):
+        """X (B, groups, D, L) and g (B, groups, O, L), D = in/groups * prod(kernel)."""
+        x, g, padding = use.x, use.g, use.aux
+        if x.dim() == 3:  # Conv1d as a 1-row Conv2d
+            x = x.unsqueeze(2)
+            conf = dict(kernel_size=(1, module.kernel_size[0]), dilation=(1, module.dilation[0]),
+                        padding=(0, padding[0]), stride=(1, module.stride[0]))
+        else:
+            conf = dict(kernel_size=module.kernel_size, dilation=module.dilation,
+                        padding=padding, stride=module.stride)
+        b, groups, length = x.shape[0], module.groups, math.prod(g.shape[2:])
+        cols = F.unfold(x, **conf).reshape(b, groups, x.shape[1] // groups * math.prod(
+            conf["kernel_size"]), length)
+        return cols, g.reshape(b, groups, g.shape[1] // groups, length)
+
+    def grad(self, module, use, name):
+        if name == "bias":
+            return use.g.flatten(2).sum(-1)
+        cols, g = self._unfolded(module, use)
+        per = torch.einsum("bgol,bgdl->bgod", g, cols)
+        return per.reshape(per.shape[0], *module.weight.shape)
+
+    def sq_norm(self, module, use, name):
+        if name == "weight":
+            cols, g = self._unfolded(module, use)
+            length, d, o = cols.shape[-1], cols.shape[2], g.shape[2]
+            if length * (d + o) < d * o:  # ghost norm is cheaper than materialising
+                gram_x = torch.einsum("bgdl,bgdm->bglm", cols, cols)
+                gram_g = torch.einsum("bgol,bgom->bglm", g, g)
+                return torch.einsum("bglm,bglm->b", gram_x, gram_g)
+        return super().sq_norm(module, use, name)
+
+    def weighted_sum(self, module, use, name, c):
+        if name in use.cache:
+            return _contract(c, use.cache[name])
+        cg = use.g * c.to(use.g.dtype).reshape(-1, *([1] * (use.g.dim() - 1)))
+        if name == "bias":
+            return cg.flatten(2).sum((0, 2))
+        weight_grad = torch.ops.aten.convolution_backward(
+            cg, use.x, module.weight, None, module.stride, use.aux, module.dilation, False,
+            [0] * (use.x.dim() - 2), module.groups, (False, True, False))[1]
+        return weight_grad
+
+
+class EmbeddingRule(Rule):
+    params = ("weight",)
+
+    def check(self, module, name):
+        if module.scale_grad_by_freq:
+            raise ValueError(f"Embedding {name!r} has scale_grad_by_freq=True, which scales each "
+                             f"row's gradient by its frequency in the whole batch, so gradients "
+                             f"are not per example; construct it with scale_grad_by_freq=False")
+
+    def forward(self, module, use_list, args, kwargs):
+        (indices,) = args
+        use = _record(use_list, indices)
+        return _Embedding.apply(use, indices, module.weight, module.padding_idx,
+                                module.max_norm, module.norm_type, module.sparse)
+
+    @staticmethod
+    def _kg(module, use):
+        b, t = use.x.shape[0], math.prod(use.x.shape[1:])
+        k = use.x.reshape(b, t)
+        g = use.g.reshape(b, t, use.g.shape[-1])
+        if module.padding_idx is not None:  # the padding row never receives a gradient
+            g = g.masked_fill((k == module.padding_idx)[:, :, None], 0)
+        return k, g
+
+    def grad(self, module, use, name):
+        k, g = self._kg(module, use)
+        b, (vocab, d) = k.shape[0], module.weight.shape
+        rows = (k + torch.arange(b, device=k.device)[:, None] * vocab).reshape(-1)
+        out = torch.zeros(b * vocab, d, dtype=g.dtype, device=g.device)
+        return out.index_add_(0, rows, g.reshape(-1, d)).reshape(b, vocab, d)
+
+    def sq_norm(self, module, use, name):
+        k, g = self._kg(module, use)
+        same = (k[:, :, None] == k[:, None, :]).to(g.dtype)
+        return torch.einsum("bts,bts->b", same, torch.bmm(g, g.transpose(1, 2)))
+
+    def weighted_sum(self, module, use, name, c):
+        k, g = self._kg(module, use)
+        cg = (g * c.to(g.dtype)[:, None, None]).reshape(-1, g.shape[-1])
+        return torch.zeros_like(module.weight).index_add_(0, k.reshape(-1), cg)
+
+
+class LayerNormRule(Rule):
+    def forward(self, module, use_list, args, kwargs):
+        (x,) = args
+        use = _record(use_list, x)
+        return _LayerNorm.apply(use, x, module.weight, module.bias,
+                                list(module.normalized_shape), module.eps)
+
+    def grad(self, module, use, name):
+        g = use.g
+        if name == "weight":
+            mean, rstd = use.aux
+            g = g * ((use.x - mean) * rstd)
+        inner = tuple(range(1, g.dim() - len(module.normalized_shape)))  # sequence axes
+        return g.sum(inner) if inner else g
+
+
+class GroupNormRule(Rule):
+    def forward(self, module, use_list, args, kwargs):
+        (x,) = args
+        use = _record(use_list, x)
+        return _GroupNorm.apply(use, x, module.weight, module.bias, module.num_groups,
+                                module.eps)
+
+    def grad(self, module, use, name):
+        g = use.g.flatten(2)
+        if name == "bias":
+            return g.sum(-1)
+        mean, rstd = use.aux
+        b, c, k = use.x.shape[0], use.x.shape[1], module.num_groups
+        xh = (use.x.reshape(b, k, c // k * g.shape[2]) - mean[..., None]) * rstd[..., None]
+        return (g * xh.reshape(g.shape)).sum(-1)
+
+
+#: Exact module types with a rule (subclasses may override forward, so they take the fallback).
+RULES: dict[type, Rule] = {
+    nn.Linear: LinearRule(),
+    nn.Conv1d: ConvRule(),
+    nn.Conv2d: ConvRule(),
+    nn.Embedding: EmbeddingRule(),
+    nn.LayerNorm: LayerNormRule(),
+    nn.GroupNorm: GroupNormRule(),
+}

@@ -1,0 +1,81 @@
+"""A wrapper that makes any torch optimizer private.
+
+``step()`` replaces every trainable parameter's ``.grad`` by the private average gradient of the
+step (:func:`dpcore_torch.step.private_grads`), records the step's sampling event and sum
+queries in the ledger, then runs the wrapped optimizer's own ``step()``: the update is
+post-processing of the private release, so momentum, Adam or weight decay cost no privacy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dpcore import PrivateAggregator
+
+from .engine import PerExampleEngine
+from .step import private_grads
+
+
+class PrivateOptimizer(torch.optim.Optimizer):
+    """``optimizer`` with private gradients. It shares ``param_groups`` and ``state`` with the
+    wrapped optimizer, so learning-rate schedulers and checkpoints work on either."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: PerExampleEngine,
+                 aggregator: PrivateAggregator):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
+        ours = {id(p) for p in engine.params.values()}
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        stray = [names.get(id(p), f"<tensor of shape {tuple(p.shape)}>")
+                 for group in optimizer.param_groups for p in group["params"]
+                 if p.requires_grad and id(p) not in ours]
+        if stray:
+            raise ValueError(f"the optimizer updates tensors the private model does not own: "
+                             f"{stray}; their gradients would be released without privacy")
+        super().__init__([torch.zeros(0)], {})
+        self.original_optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self.defaults = optimizer.defaults
+        self.engine, self.aggregator = engine, aggregator
+
+    @property
+    def ledger(self):
+        return self.aggregator.ledger
+
+    @property
+    def noise_multiplier(self) -> float:
+        """z of Eq. (1) for the whole mechanism."""
+        return self.aggregator.mechanism.noise_multiplier
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.original_optimizer.zero_grad(set_to_none)
+        self.engine.clear()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One private step (one Poisson sample): clip, sum, noise, ledger, then update."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = private_grads(self.engine, self.aggregator, begin_step=True)
+        for name, p in self.engine.params.items():
+            p.grad = grads[name]
+        self.original_optimizer.step()
+        return loss
+
+    def state_dict(self):
+        return self.original_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.original_optimizer.load_state_dict(state_dict)
+
+    def epsilon(self, delta: float, **kwargs) -> float:
+        """epsilon at ``delta`` of every step in the ledger so far."""
+        from dpcore import accounting
+
+        return accounting.epsilon(self.aggregator.ledger, delta, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"PrivateOptimizer({self.original_optimizer!r}, {self.aggregator.mechanism})"

@@ -1,0 +1,94 @@
+"""``make_private``: one call from a model, optimizer and data loader to their private versions.
+
+    model, optimizer, loader = make_private(model, optimizer, loader,
+                                            noise_multiplier=1.0, max_grad_norm=1.0)
+
+The model is instrumented in place (its ``state_dict`` keys do not change); the optimizer is
+wrapped by :class:`~dpcore_torch.optimizer.PrivateOptimizer`; the loader is replaced by Poisson
+sampling at rate q = batch_size / n with the same dataset and collate function. Each
+``optimizer.step()`` is one Gaussian sum query of the chosen mechanism, written to the ledger.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from dpcore import Mechanism, PrivateAggregator, flat, get_backend, per_layer
+
+from .data import poisson_loader, sample_rate_of, steps_per_epoch
+from .engine import PerExampleEngine
+from .optimizer import PrivateOptimizer
+
+CLIPPINGS = ("flat", "per_layer")
+
+
+def build_mechanism(clipping, leaf_sizes: Mapping[str, int], max_grad_norm: float,
+                    noise_multiplier: float) -> Mechanism:
+    """``"flat"``: one group, clip S; ``"per_layer"``: one group per parameter with
+    S_g = S / sqrt(L) and proportional noise (Eq. (1) multiplier = ``noise_multiplier``);
+    a :class:`dpcore.Mechanism` is used as given (its leaves are parameter names)."""
+    if isinstance(clipping, Mechanism):
+        return clipping
+    if clipping == "flat":
+        return flat(list(leaf_sizes), max_grad_norm, noise_multiplier)
+    if clipping == "per_layer":
+        return per_layer(leaf_sizes, max_grad_norm, noise_multiplier)
+    raise ValueError(f"clipping must be one of {CLIPPINGS} or a dpcore.Mechanism, "
+                     f"got {clipping!r}")
+
+
+def calibrate(target_epsilon: float, delta: float, q: float, steps: int,
+              accountant: str = "pld") -> float:
+    """The smallest noise multiplier z whose ``steps`` steps at rate q are
+    (target_epsilon, delta)-DP (by the core's calibration)."""
+    from dpcore.accounting import calibrate_noise_multiplier
+
+    return calibrate_noise_multiplier(target_epsilon, delta, q=q, steps=steps,
+                                      accountant=accountant)
+
+
+def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
+                 *, max_grad_norm: float, noise_multiplier: float | None = None,
+                 target_epsilon: float | None = None, target_delta: float | None = None,
+                 epochs: int | None = None, clipping="flat", loss_reduction: str = "mean",
+                 ledger=None, seed: int | None = None, mode: str = "auto",
+                 accountant: str = "pld"):
+    """Private (module, optimizer, data_loader).
+
+    Give ``noise_multiplier`` z, or ``target_epsilon`` with ``target_delta`` and ``epochs`` to
+    calibrate z up front for epochs * round(1/q) steps. ``clipping`` is ``"flat"``,
+    ``"per_layer"`` or a :class:`dpcore.Mechanism` over the parameter names. ``loss_reduction``
+    must match the loss (``"mean"`` or ``"sum"`` over the batch). ``ledger`` is a path, a
+    :class:`dpcore.Ledger` or None (in memory). ``seed`` fixes sampling and noise (tests only;
+    None draws OS entropy). ``mode`` is ``"auto"`` (ghost norms and book-keeping where a layer
+    rule exists, ``torch.func`` elsewhere) or ``"vmap"`` (``torch.func`` for the whole model).
+    """
+    if not isinstance(data_loader, DataLoader):
+        raise TypeError(f"data_loader must be a torch DataLoader, got {data_loader!r}")
+    n = len(data_loader.dataset)
+    q = sample_rate_of(data_loader)
+    if (noise_multiplier is None) == (target_epsilon is None):
+        raise ValueError("give exactly one of noise_multiplier and target_epsilon "
+                         f"(got noise_multiplier={noise_multiplier!r}, "
+                         f"target_epsilon={target_epsilon!r})")
+    if target_epsilon is not None:
+        if target_delta is None or epochs is None:
+            raise ValueError("target_epsilon needs target_delta and epochs to calibrate the "
+                             "noise multiplier")
+        noise_multiplier = calibrate(target_epsilon, target_delta, q,
+                                     epochs * steps_per_epoch(q), accountant)
+    engine = PerExampleEngine(module, mode=mode, loss_reduction=loss_reduction)
+    mechanism = build_mechanism(clipping, engine.leaf_sizes, max_grad_norm, noise_multiplier)
+    sampling_seed, noise_seed = np.random.SeedSequence(seed).spawn(2)
+    aggregator = PrivateAggregator(
+        mechanism, n=n, q=q, backend=get_backend("torch"), ledger=ledger,
+        seed=None if seed is None else int(noise_seed.generate_state(1)[0]))
+    loader = poisson_loader(
+        data_loader.dataset, q, seed=sampling_seed, collate_fn=data_loader.collate_fn,
+        num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory)
+    return module, PrivateOptimizer(optimizer, engine, aggregator), loader

@@ -1,0 +1,44 @@
+"""The functional private step: from one backward pass to the private average gradient.
+
+Given the engine's per-example squared norms (B, L) and the aggregator's mechanism:
+
+1. factors c_ig = min(1, S_g / ||grad_i restricted to group g||)   (core, dpcore.aggregation)
+2. sums_j = sum_i c_{i, g(j)} grad_ij, by book-keeping from the kept activations/backprops
+3. the aggregator writes the step's sum queries to the ledger, adds N(0, (alpha_j sigma~_g)^2)
+   on the parameters' device and divides by the public expected batch size q n.
+
+The step's sampling event must be in the ledger first (``aggregator.sample()`` or
+``aggregator.begin_step()``); :func:`private_grads` records it when ``begin_step=True``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dpcore import PrivateAggregator
+
+from .engine import PerExampleEngine
+
+
+def private_grads(engine: PerExampleEngine, aggregator: PrivateAggregator, loss=None, *,
+                  begin_step: bool = False) -> dict[str, torch.Tensor]:
+    """The private average gradient {parameter name: tensor} of the current step.
+
+    ``loss``, if given, is back-propagated first (``loss.backward()``); otherwise the caller
+    has already run the backward pass. An empty batch (no layer saw an example, or B = 0) gives
+    pure noise, as the privacy analysis requires. The engine is cleared afterwards.
+    """
+    if loss is not None:
+        loss.backward()
+    mechanism = aggregator.mechanism
+    leaves = mechanism.leaves
+    mechanism.check_leaves(engine.params)
+    try:
+        factors = aggregator.clip_factors(engine.sq_norms(leaves))
+        column = {leaf: g for g, group in enumerate(mechanism.groups) for leaf in group.leaves}
+        sums = engine.clipped_sums(factors, column)
+        if begin_step:
+            aggregator.begin_step()
+        return aggregator.release_sums(sums)
+    finally:
+        engine.clear()

@@ -1,0 +1,211 @@
+"""Per-example gradients, norms and clipped sums of the torch engine against a float64 oracle
+that back-propagates one example at a time through plain autograd."""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from dpcore_torch import LeakedGradientError, NotPerExampleError, PerExampleEngine  # noqa: E402
+
+RTOL = 1e-6
+
+
+class Seq(nn.Module):
+    """A sequence model touching every rule: Embedding (padding row), Conv1d, GroupNorm,
+    LayerNorm, Linear on (B, T, d)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(13, 6, padding_idx=0)
+        self.conv = nn.Conv1d(6, 8, 3, padding=1)
+        self.gn = nn.GroupNorm(2, 8)
+        self.ln = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, k):
+        h = self.gn(self.conv(self.emb(k).transpose(1, 2))).transpose(1, 2)
+        return self.fc(torch.tanh(self.ln(h))).mean(1)
+
+
+class Image(nn.Module):
+    """Conv2d with stride, dilation, groups, asymmetric 'same' and reflect padding."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(2, 4, 3, stride=2, padding=1)
+        self.c2 = nn.Conv2d(4, 4, 2, padding="same", groups=2, bias=False)
+        self.c3 = nn.Conv2d(4, 6, 3, dilation=2, padding=2, padding_mode="reflect")
+        self.c4 = nn.Conv2d(6, 16, 3)  # L (D + O) = 9 * 70 < D O = 54 * 16: the ghost branch
+        self.fc = nn.Linear(16 * 3 * 3, 3)
+
+    def forward(self, x):
+        for conv in (self.c1, self.c2, self.c3, self.c4):
+            x = torch.tanh(conv(x))
+        return self.fc(x.flatten(1))
+
+
+class Tokens(nn.Module):
+    """Linear on sequences on both sides of the ghost/materialise threshold T (d_in + d_out)
+    < d_in d_out, and an embedding tied to the output layer (one Parameter, two modules)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 16)
+        self.short = nn.Linear(16, 16)   # T = 4: ghost norm
+        self.head = nn.Linear(16, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, k):
+        h = torch.tanh(self.short(self.emb(k)))            # (B, 4, 16)
+        long = h.repeat(1, 3, 1)                           # (B, 12, 16): T = 12, materialised
+        return self.head(torch.cat([h, long], 1)).mean(1)
+
+
+class Mixed(nn.Module):
+    """A layer without a rule (MultiheadAttention), a direct parameter of a custom module, a
+    layer called twice, a frozen and an unused parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.weight.requires_grad_(False)
+        self.unused = nn.Linear(3, 3)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = h + self.attn(h, h, h, need_weights=False)[0]
+        h = self.frozen(h * self.gate)
+        return self.out(torch.tanh(h)).mean(1) + self.out(h[:, 0])
+
+
+def batches(name, size, gen):
+    if name in ("seq", "tokens"):
+        vocab = 13 if name == "seq" else 11
+        x = torch.randint(0, vocab, (size, 5 if name == "seq" else 4), generator=gen)
+        if name == "seq" and size:
+            x[0, -1] = 0  # a padding token
+    elif name == "image":
+        x = torch.randn(size, 2, 9, 9, generator=gen, dtype=torch.float64)
+    else:
+        x = torch.randn(size, 4, 5, generator=gen, dtype=torch.float64)
+    return x, torch.randint(0, 3, (size,), generator=gen)
+
+
+MODELS = {"seq": Seq, "image": Image, "tokens": Tokens, "mixed": Mixed}
+
+
+def oracle(model, x, y):
+    """Per-example gradients, one example at a time, by plain autograd (float64)."""
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    out = {n: [] for n in trainable}
+    for i in range(x.shape[0]):
+        model.zero_grad()
+        F.cross_entropy(model(x[i:i + 1]), y[i:i + 1], reduction="sum").backward()
+        for n, p in trainable.items():
+            out[n].append(torch.zeros_like(p) if p.grad is None else p.grad.clone())
+    return {n: (torch.stack(g) if g else p.new_zeros((0, *p.shape)))
+            for (n, g), p in zip(out.items(), trainable.values())}
+
+
+def run_engine(model, x, y, reduction, mode="auto"):
+    engine = PerExampleEngine(model, loss_reduction=reduction, mode=mode)
+    model.zero_grad()
+    F.cross_entropy(model(x), y, reduction=reduction).backward()
+    return engine
+
+
+def close(a, b):
+    scale = max(b.abs().max().item(), 1e-300) if b.numel() else 1.0
+    return (a - b).abs().max().item() <= RTOL * scale if b.numel() else a.shape == b.shape
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("size", [0, 1, 5])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_per_example_grads_match_micro_batch_oracle(name, size, reduction):
+    gen = torch.Generator().manual_seed(size + 7)
+    torch.manual_seed(3)
+    model = MODELS[name]().double()
+    x, y = batches(name, size, gen)
+    expected = oracle(copy.deepcopy(model), x, y) if size else None
+    engine = run_engine(model, x, y, reduction)
+    got = engine.per_example_grads()
+    names = list(engine.params)
+    assert set(got) == set(names)
+    for n in names:
+        assert got[n].shape == (size, *engine.params[n].shape), n
+        if size:
+            assert close(got[n], expected[n]), n
+    norms = engine.sq_norms(names)
+    assert norms.shape == (size, len(names))
+    if size:
+        want = torch.stack([expected[n].flatten(1).pow(2).sum(1) for n in names], 1)
+        assert close(norms, want)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_ghost_and_book_keeping_equal_vmap(name):
+    """Norms and clipped sums of the rules (ghost norms, book-keeping) against mode='vmap'
+    (torch.func on the whole model) on the same batch."""
+    gen = torch.Generator().manual_seed(11)
+    torch.manual_seed(5)
+    model = MODELS[name]().double()
+    x, y = batches(name, 6, gen)
+    twin = copy.deepcopy(model)
+    fast = run_engine(model, x, y, "mean")
+    slow = run_engine(twin, x, y, "mean", mode="vmap")
+    names = list(fast.params)
+    assert close(fast.sq_norms(names), slow.sq_norms(names))
+    factors = torch.rand(6, 2, generator=gen, dtype=torch.float64)
+    groups = {n: i % 2 for i, n in enumerate(names)}
+    got, want = fast.clipped_sums(factors, groups), slow.clipped_sums(factors, groups)
+    for n in names:
+        assert close(got[n], want[n]), n
+
+
+def test_batchnorm_in_training_mode_is_refused_with_a_fix():
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4))
+    with pytest.raises(NotPerExampleError, match=r"GroupNorm\(4, 4\)"):
+        PerExampleEngine(model)
+    model.eval()
+    engine = PerExampleEngine(model)  # frozen statistics are per example
+    model.train()
+    with pytest.raises(NotPerExampleError, match="'1'"):
+        model(torch.randn(2, 1, 5, 5))
+    engine.detach()
+
+
+def test_batch_second_attention_is_refused():
+    with pytest.raises(NotPerExampleError, match="batch_first=True"):
+        PerExampleEngine(nn.MultiheadAttention(4, 2))
+
+
+def test_functional_use_of_an_instrumented_weight_is_an_error():
+    class Functional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(7, 4)
+
+        def forward(self, k):
+            return F.linear(self.emb(k).mean(1), self.emb.weight)
+
+    model = Functional()
+    engine = run_engine(model, torch.randint(0, 7, (3, 2)), torch.randint(0, 7, (3,)), "sum")
+    with pytest.raises(LeakedGradientError, match="emb.weight"):
+        engine.sq_norms(list(engine.params))
+
+
+def test_detach_restores_the_module():
+    model = nn.Sequential(nn.Linear(3, 2))
+    engine = PerExampleEngine(model)
+    engine.detach()
+    model(torch.randn(4, 3)).sum().backward()
+    assert model[0].weight.grad is not None and "forward" not in vars(model[0])

@@ -1,0 +1,190 @@
+"""The private step end to end: make_private, the optimizer wrapper, noise against the ledger,
+Poisson loading, and the backend's registration and contract."""
+
+import copy
+import math
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import dpcore  # noqa: E402
+from dpcore_torch import (PerExampleEngine, TorchBackend, make_private, poisson_loader,  # noqa: E402
+                          private_grads)
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def data(n=40):
+    gen = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(n, 6, generator=gen), torch.randint(0, 3, (n,), generator=gen))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("optim", [torch.optim.SGD, torch.optim.Adam])
+def test_zero_noise_and_a_large_clip_give_the_non_private_step(reduction, optim):
+    """With z = 0 and S above every norm, the private average sum_i grad_i / (q n) is the
+    non-private mean gradient when the batch has exactly q n examples."""
+    ds = data()
+    model, twin = mlp(), mlp()
+    opt = optim(model.parameters(), lr=0.1)
+    twin_opt = optim(twin.parameters(), lr=0.1)
+    loader = DataLoader(ds, batch_size=8)  # q = 8 / 40
+    model, opt, _ = make_private(model, opt, loader, noise_multiplier=0.0, max_grad_norm=1e6,
+                                 loss_reduction=reduction, seed=0)
+    x, y = ds.tensors[0][:8], ds.tensors[1][:8]
+    for _ in range(3):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y, reduction=reduction).backward()
+        opt.step()
+        twin_opt.zero_grad()
+        F.cross_entropy(twin(x), y).backward()
+        twin_opt.step()
+    for p, t in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6)
+    assert len(opt.ledger.steps()) == 1 and opt.ledger.steps()[0].count == 3
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_noise_std_of_zero_gradients_is_what_the_ledger_records(clipping):
+    """Zero gradients (the loss ignores the output): the released average times q n is pure
+    noise; its empirical std per leaf must equal alpha_j sigma~_g of the ledger's events.
+
+    Tolerance: for N i.i.d. N(0, s^2) draws the sample std has relative standard error
+    1/sqrt(2N). With N >= 3 * 4,096 draws per leaf (three steps of a 64 x 64 weight), that is
+    <= 0.64%; we allow 4 standard errors (<= 2.6%), so a 10% error (>= 15 SE) fails."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64, bias=False) if clipping == "flat" else nn.Sequential(
+        nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False))
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    ds = TensorDataset(torch.randn(50, 64))
+    model, opt, _ = make_private(model, opt, DataLoader(ds, batch_size=10),
+                                 noise_multiplier=1.3, max_grad_norm=0.7, clipping=clipping,
+                                 seed=123)
+    draws = {n: [] for n, _ in model.named_parameters()}
+    for _ in range(3):
+        opt.zero_grad()
+        (model(ds.tensors[0][:10]) * 0).sum().backward()
+        opt.step()
+        for n, p in model.named_parameters():
+            draws[n].append(p.grad.flatten() * opt.aggregator.expected_size)
+    events = [e for e in opt.ledger.events if isinstance(e, dpcore.SumQueryEvent)]
+    recorded = {e.group: e.noise_std for e in events}
+    for n, chunks in draws.items():
+        noise = torch.cat(chunks).double()
+        group = opt.aggregator.mechanism.group_of(n)
+        std = recorded[group.name] * group.scale(n)
+        tolerance = 4 / math.sqrt(2 * noise.numel())
+        empirical = noise.std().item()
+        assert abs(empirical / std - 1) < tolerance, (n, empirical, std)
+        assert abs(empirical / (1.1 * std) - 1) > tolerance  # a 10% error would fail
+        assert abs(noise.mean().item()) < 4 * std / math.sqrt(noise.numel())
+
+
+def test_empty_batch_still_adds_noise_and_writes_the_ledger():
+    ds = data()
+    model = mlp()
+    model, opt, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 DataLoader(ds, batch_size=4), noise_multiplier=1.0,
+                                 max_grad_norm=1.0, seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = ds.tensors[0][:0], ds.tensors[1][:0]
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()  # nan loss: the mean of nothing
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    kinds = [type(e).__name__ for e in opt.ledger.events]
+    assert kinds == ["SamplingEvent", "SumQueryEvent"]
+
+
+def test_training_loop_with_the_poisson_loader_writes_one_step_per_batch(tmp_path):
+    ds = data(60)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.6)
+    sched = None
+    model, opt, loader = make_private(model, opt, DataLoader(ds, batch_size=6),
+                                      noise_multiplier=1.1, max_grad_norm=1.0,
+                                      ledger=tmp_path / "run.jsonl", seed=4)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    sizes = []
+    for x, y in loader:
+        sizes.append(len(x))
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        sched.step()
+    assert len(sizes) == 10 and len(set(sizes)) > 1  # Poisson: sizes vary
+    steps = dpcore.read_ledger(tmp_path / "run.jsonl").steps()
+    assert steps == [dpcore.Step(q=0.1, noise_multiplier=pytest.approx(1.1), count=10)]
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.25)
+
+
+def test_poisson_loader_sizes_and_empty_batches():
+    ds = data(20)
+    loader = poisson_loader(ds, 0.05, steps=400, seed=0)
+    sizes = [len(x) for x, _ in loader]
+    assert 0 in sizes  # P(empty) = 0.95^20 = 0.36
+    empty = next((x, y) for x, y in poisson_loader(ds, 0.01, steps=50, seed=1) if len(x) == 0)
+    assert empty[0].shape == (0, 6) and empty[1].shape == (0,)
+    mean = sum(sizes) / len(sizes)  # Binomial(20, 0.05): mean 1, sd of the mean 0.049
+    assert abs(mean - 1.0) < 0.2
+
+
+def test_functional_step_for_a_custom_loop():
+    ds = data()
+    model = mlp()
+    engine = PerExampleEngine(model, loss_reduction="sum")
+    mech = dpcore.per_layer(engine.leaf_sizes, 1.0, 1.0)
+    agg = dpcore.PrivateAggregator(mech, n=40, q=0.25, backend="torch", seed=0)
+    idx = torch.as_tensor(agg.sample())
+    x, y = ds.tensors[0][idx], ds.tensors[1][idx]
+    grads = private_grads(engine, agg, F.cross_entropy(model(x), y, reduction="sum"))
+    assert set(grads) == set(engine.params)
+    assert [type(e).__name__ for e in agg.ledger.events] == ["SamplingEvent"] + [
+        "SumQueryEvent"] * 4
+
+
+def test_optimizer_with_foreign_parameters_is_refused():
+    model, other = mlp(), nn.Linear(2, 2)
+    opt = torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=0.1)
+    with pytest.raises(ValueError, match="does not own"):
+        make_private(model, opt, DataLoader(data(), batch_size=4), noise_multiplier=1.0,
+                     max_grad_norm=1.0)
+
+
+def test_registered_through_the_entry_point_without_importing_torch_early():
+    assert isinstance(dpcore.get_backend("torch"), TorchBackend)
+    code = ("import sys, dpcore_torch.plugin; "
+            "assert 'torch' not in sys.modules, 'plugin imported torch'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_backend_contract():
+    backend = dpcore.get_backend("torch")
+    like = torch.zeros(3, dtype=torch.float64)
+    a = backend.standard_normal(backend.rng(5), (1000,), like)[1]
+    b = backend.standard_normal(backend.rng(5), (1000,), like)[1]
+    c = backend.standard_normal(backend.rng(None), (1000,), like)[1]
+    assert a.dtype == torch.float64 and torch.equal(a, b) and not torch.equal(a, c)
+    assert backend.to_numpy(backend.asarray([1.0, 2.0], "float32")).dtype.name == "float32"
+    w = torch.randn(3, 2, dtype=torch.float64)
+    x = torch.randn(4, 3, dtype=torch.float64)
+
+    def loss_fn(params, batch):
+        return torch.tanh(batch @ params["w"]).sum(1)
+
+    grads = backend.per_example_grads(loss_fn, {"w": w}, x)
+    for i in range(4):
+        wi = w.clone().requires_grad_()
+        loss_fn({"w": wi}, x[i:i + 1]).sum().backward()
+        torch.testing.assert_close(grads["w"][i], wi.grad, rtol=1e-12, atol=0)
+    assert backend.per_example_grads(loss_fn, {"w": w}, x[:0])["w"].shape == (0, 3, 2)
