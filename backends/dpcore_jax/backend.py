@@ -1,0 +1,97 @@
+"""The JAX backend: the :class:`dpcore.backend.Backend` contract on ``jax.numpy`` arrays.
+
+Randomness is explicit, as everywhere in JAX: :meth:`JaxBackend.rng` returns a typed
+``threefry2x32`` key and :meth:`JaxBackend.standard_normal` splits it, returning the key to use
+next, so the generator state is carried in the caller's state (the aggregator, an optax state).
+
+Per-example gradients of ``loss_fn(params, batch) -> (B,)`` are ``vmap(grad)`` of the loss of
+one-example batches, compiled with ``jit``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpcore import backend as contract
+
+from dpcore.aggregation import per_leaf_sq_norms
+
+from .names import leaf_names, named_leaves
+
+KEY_IMPL = "threefry2x32"
+
+
+def make_key(seed: int | None = None) -> jax.Array:
+    """A typed ``threefry2x32`` key from all 64 bits of ``seed`` (an int in [0, 2^64)), or
+    from 64 bits of OS entropy when ``seed`` is None. (``jax.random.key`` keeps only 32 bits
+    of a seed unless x64 is enabled, so distinct large seeds could share a key.)"""
+    if seed is None:
+        seed = int.from_bytes(os.urandom(8), "little")
+    elif isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed must be an int or None, got {seed!r} ({type(seed).__name__})")
+    seed = int(seed)
+    if not 0 <= seed < 2 ** 64:
+        raise ValueError(f"seed must be in [0, 2**64), got {seed!r}")
+    words = np.array([seed >> 32, seed & 0xFFFFFFFF], dtype=np.uint32)
+    return jax.random.wrap_key_data(words, impl=KEY_IMPL)
+
+
+def standard_normal(key, shape, like) -> tuple[jax.Array, jax.Array]:
+    """``(next_key, N(0, 1) draws of shape)`` in ``like``'s floating dtype (float32 otherwise).
+    Pure: usable inside ``jit``."""
+    dtype = like.dtype if jnp.issubdtype(like.dtype, jnp.floating) else jnp.float32
+    key, sub = jax.random.split(key)
+    return key, jax.random.normal(sub, tuple(shape), dtype)
+
+
+def one_example_loss(loss_fn: Callable) -> Callable:
+    """``(params, example) -> scalar``: ``loss_fn`` on a batch holding only ``example``."""
+    def loss(params, example):
+        single = jax.tree_util.tree_map(lambda a: a[None], example)
+        return loss_fn(params, single)[0]
+    return loss
+
+
+def _per_example_grads(loss_fn, params, batch):
+    return jax.vmap(jax.grad(one_example_loss(loss_fn)), in_axes=(None, 0))(params, batch)
+
+
+_per_example_grads_jit = jax.jit(_per_example_grads, static_argnums=0)
+
+
+class JaxBackend(contract.Backend):
+    """``jax.numpy`` arrays on JAX's default device, keys for randomness, compiled steps."""
+
+    name = "jax"
+    version = jax.__version__
+    capabilities = frozenset({contract.PER_EXAMPLE_GRADS, contract.JIT})
+
+    def namespace(self) -> Any:
+        return jnp
+
+    def asarray(self, x, dtype: str | None = None):
+        return jnp.asarray(x, dtype=dtype)
+
+    def to_numpy(self, x):
+        return np.array(x, copy=True)
+
+    def rng(self, seed: int | None = None):
+        return make_key(seed)
+
+    def standard_normal(self, rng, shape, like):
+        return standard_normal(rng, shape, like)
+
+    def per_example_grads(self, loss_fn: Callable, params: Mapping[str, Any], batch) -> dict:
+        """``{leaf name: (B, *leaf shape)}`` by ``jit(vmap(grad))``; ``params`` may be any
+        pytree (leaf names as in :mod:`dpcore_jax.names`)."""
+        return named_leaves(_per_example_grads_jit(loss_fn, params, batch))
+
+    def per_example_sq_norms(self, loss_fn: Callable, params: Mapping[str, Any], batch):
+        """Squared per-example gradient norms (B, L), leaves in :func:`leaf_names` order."""
+        return per_leaf_sq_norms(self.per_example_grads(loss_fn, params, batch),
+                                 leaf_names(params))

@@ -1,0 +1,122 @@
+"""The JAX backend contract: registration, keys and noise, conversion, and per-example
+gradients against float64 one-example-at-a-time oracles."""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dpcore
+from dpcore import backend as contract
+from dpcore_jax.backend import JaxBackend, make_key, one_example_loss
+from dpcore_jax.names import leaf_names, named_leaves, unflatten_like
+
+import jax_models as models
+
+# float32 unit roundoff is 2^-24 ~ 6e-8; these small models chain < 50 roundings on values of
+# order 1, so 1000 u relative to the leaf's largest entry bounds float32 error with a wide
+# margin while a wrong gradient (wrong example, missing term) is off by O(1).
+F32_TOL = 1000 * 2.0 ** -24
+
+
+def test_registered_through_the_entry_point():
+    backend = dpcore.get_backend("jax")
+    assert isinstance(backend, JaxBackend)
+    assert "jax" in dpcore.available_backends()
+    assert {contract.PER_EXAMPLE_GRADS, contract.JIT} <= backend.capabilities
+
+
+def test_plugin_module_imports_no_jax():
+    code = ("import sys, dpcore_jax.plugin, dpcore_jax; "
+            "assert 'jax' not in sys.modules, 'jax imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_keys_reproduce_use_all_64_bits_and_default_to_entropy():
+    backend = JaxBackend()
+    like = jnp.zeros((), jnp.float32)
+    draw = lambda key: np.asarray(backend.standard_normal(key, (1000,), like)[1])  # noqa: E731
+    np.testing.assert_array_equal(draw(backend.rng(7)), draw(backend.rng(7)))
+    # seeds differing only above bit 32 give different streams
+    assert not np.allclose(draw(backend.rng(5)), draw(backend.rng(5 + 2 ** 40)))
+    assert not np.allclose(draw(backend.rng()), draw(backend.rng()))
+    with pytest.raises(ValueError, match="2\\*\\*64"):
+        make_key(-1)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        make_key(1.5)
+
+
+def test_standard_normal_advances_the_key_and_follows_the_dtype():
+    backend = JaxBackend()
+    key = backend.rng(0)
+    key2, a = backend.standard_normal(key, (4, 3), jnp.zeros((), jnp.bfloat16))
+    _, b = backend.standard_normal(key2, (4, 3), jnp.zeros((), jnp.int32))
+    assert a.dtype == jnp.bfloat16 and a.shape == (4, 3) and b.dtype == jnp.float32
+    assert not np.allclose(np.asarray(a, np.float32), np.asarray(b))
+
+
+def test_conversion_round_trip():
+    backend = JaxBackend()
+    x = np.arange(6.0).reshape(2, 3)
+    a = backend.asarray(x, dtype="float32")
+    assert a.dtype == jnp.float32 and backend.namespace() is jnp
+    out = backend.to_numpy(a)
+    assert isinstance(out, np.ndarray)
+    np.testing.assert_array_equal(out, x)
+
+
+def test_leaf_names_are_slash_joined_key_paths():
+    tree = {"dense": {"w": jnp.ones(2), "b": jnp.ones(1)}, "layers": [jnp.ones(3)]}
+    assert leaf_names(tree) == ["dense/b", "dense/w", "layers/0"]
+    named = named_leaves(tree)
+    rebuilt = unflatten_like(tree, {k: v + 1 for k, v in named.items()})
+    assert float(rebuilt["layers"][0][0]) == 2.0
+    with pytest.raises(ValueError, match="same name"):
+        leaf_names({"a/b": jnp.ones(1), "a": {"b": jnp.ones(1)}})
+
+
+def test_per_example_grads_match_the_analytic_float64_oracle():
+    rng = np.random.default_rng(0)
+    params = models.logistic_params(rng)
+    x, y = models.data(rng, "logistic", 16)
+    grads = JaxBackend().per_example_grads(models.logistic_loss, params, (x, y))
+    oracle = models.logistic_oracle(params, x, y)
+    assert set(grads) == {"w", "b"} and grads["w"].shape == (16, 5)
+    for leaf in oracle:
+        np.testing.assert_allclose(grads[leaf], oracle[leaf], rtol=F32_TOL,
+                                   atol=F32_TOL * np.abs(oracle[leaf]).max())
+
+
+def float64_oracle(loss_fn, params, batch):
+    """Per-example gradients one example at a time, in float64 (x64 enabled only here)."""
+    with jax.enable_x64(True):
+        p64 = jax.tree_util.tree_map(lambda a: jnp.asarray(np.asarray(a, np.float64)), params)
+        grad = jax.jit(jax.grad(one_example_loss(loss_fn)))
+        size = len(jax.tree_util.tree_leaves(batch)[0])
+        rows = []
+        for i in range(size):
+            example = jax.tree_util.tree_map(lambda a: np.asarray(a)[i], batch)
+            example = jax.tree_util.tree_map(
+                lambda a: a.astype(np.float64) if np.issubdtype(a.dtype, np.floating) else a, example)
+            rows.append({k: np.asarray(v) for k, v in named_leaves(grad(p64, example)).items()})
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+@pytest.mark.parametrize("kind", models.KINDS)
+def test_per_example_grads_match_a_float64_one_at_a_time_oracle(kind):
+    rng = np.random.default_rng(1)
+    loss_fn, params = models.model(rng, kind)
+    batch = models.data(rng, kind, 6)
+    grads = JaxBackend().per_example_grads(loss_fn, params, batch)
+    oracle = float64_oracle(loss_fn, params, batch)
+    assert set(grads) == set(oracle) == set(leaf_names(params))
+    for leaf in oracle:
+        assert grads[leaf].dtype == jnp.float32
+        np.testing.assert_allclose(grads[leaf], oracle[leaf], rtol=F32_TOL,
+                                   atol=F32_TOL * np.abs(oracle[leaf]).max(), err_msg=leaf)
+    sq = JaxBackend().per_example_sq_norms(loss_fn, params, batch)
+    expected = np.stack([(oracle[leaf].reshape(6, -1) ** 2).sum(1) for leaf in leaf_names(params)], 1)
+    np.testing.assert_allclose(sq, expected, rtol=10 * F32_TOL, atol=10 * F32_TOL * expected.max())
