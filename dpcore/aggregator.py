@@ -21,7 +21,6 @@ from .backend import Backend
 from .ledger import Ledger, PathLike, SumQueryEvent
 from .plugins import get_backend
 from .queries import Mechanism
-from .sampling import PoissonSampler
 
 
 class PrivateAggregator:
@@ -54,7 +53,7 @@ class PrivateAggregator:
                              f"record={mechanism.record!r}")
         self.ledger = ledger
         sampling_seed, noise_seed = np.random.SeedSequence(seed).spawn(2)
-        self.sampler = PoissonSampler(self.n, self.q, seed=sampling_seed)
+        self.sampler = self.backend.poisson_sampler(self.n, self.q, seed=sampling_seed)
         self.rng = self.backend.rng(None if seed is None
                                     else int(noise_seed.generate_state(1, np.uint64)[0] >> 1))
         self._events = [SumQueryEvent(g.name, g.clip, g.noise_std) for g in mechanism.groups]

@@ -13,6 +13,7 @@ import abc
 from typing import Any, Callable, Mapping
 
 from .aggregation import per_leaf_sq_norms
+from .sampling import PoissonSampler
 
 #: Capabilities a backend may declare.
 PER_EXAMPLE_GRADS = "per_example_grads"  # per_example_grads() of a loss_fn
@@ -52,6 +53,12 @@ class Backend(abc.ABC):
     def standard_normal(self, rng, shape: tuple[int, ...], like) -> tuple[Any, Any]:
         """``(rng, noise)``: N(0, 1) draws of ``shape`` with ``like``'s dtype and device, and the
         generator state to use next (stateful generators are returned as they are)."""
+
+    def poisson_sampler(self, n: int, q: float, *, seed=None) -> PoissonSampler:
+        """The sampler this backend's data pipeline draws batches with: Poisson sampling of
+        rate ``q`` over ``n`` records (``sample()`` gives sorted indices, possibly none).
+        Backends whose loaders sample differently must still sample this way."""
+        return PoissonSampler(n, q, seed=seed)
 
     def per_example_grads(self, loss_fn: Callable, params: Mapping[str, Any], batch) -> dict:
         """Gradients of ``loss_fn(params, batch) -> (B,)``: leaf name -> (B, *leaf shape)."""

@@ -25,3 +25,5 @@ def namespace(request):
     name, load, rtol = request.param
     return load(), rtol
 
+
+pytest_plugins = ("pytester",)

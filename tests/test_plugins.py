@@ -42,13 +42,16 @@ def test_numpy_backend_comes_through_the_entry_point():
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("setting, expected", [("1", "()"), ("all", "()"),
-                                               ("numpy", "()"), ("other,x", "('numpy',)")])
-def test_disable_plugins_environment_variable(setting, expected):
-    out = run_python("import dpcore; print(dpcore.available_backends())",
+@pytest.mark.parametrize("setting, loads_any, loads_numpy", [
+    ("1", False, False), ("all", False, False), ("numpy", None, False), ("other,x", True, True)])
+def test_disable_plugins_environment_variable(setting, loads_any, loads_numpy):
+    out = run_python("import dpcore; print(','.join(dpcore.available_backends()))",
                      env={"DPCORE_DISABLE_PLUGINS": setting})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == expected
+    names = out.stdout.strip().split(",") if out.stdout.strip() else []
+    assert ("numpy" in names) == loads_numpy
+    if loads_any is not None:
+        assert bool(names) == loads_any
 
 
 class Plugin:
@@ -130,10 +133,10 @@ def test_third_party_entry_point_registers_a_backend(tmp_path):
             def dpcore_register_backends(register):
                 register("thirdparty", Backend)
         """})
-    out = run_python("import dpcore; print(dpcore.available_backends(), "
+    out = run_python("import dpcore; print('thirdparty' in dpcore.available_backends(), "
                      "dpcore.get_backend('thirdparty').name)", path=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "('numpy', 'thirdparty') thirdparty"
+    assert out.stdout.strip() == "True thirdparty"
 
 
 def test_a_broken_plugin_warns_and_leaves_the_others_working(tmp_path):
@@ -151,7 +154,7 @@ def test_a_broken_plugin_warns_and_leaves_the_others_working(tmp_path):
     """, path=tmp_path)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0] == "('numpy',)"
+    assert "'numpy'" in lines[0]
     assert lines[1].startswith("PluginLoadWarning dpcore plugin 'broken' (no_such_module_abc) "
                                "failed to load: ModuleNotFoundError")
     assert "plugin 'broken' failed to load (ModuleNotFoundError" in lines[2]
