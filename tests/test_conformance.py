@@ -11,7 +11,7 @@ from dpcore.ledger import SumQueryEvent
 from dpcore.sampling import PoissonSampler
 
 tinytorch = pytest.importorskip(
-    "dpcore_tinytorch", reason="the example third-party backend (docs/examples/dpcore-tinytorch) "
+    "dpcore_tinytorch.backend", reason="the example third-party backend (docs/examples/dpcore-tinytorch) "
     "is the base of the broken backends; pip install -e docs/examples/dpcore-tinytorch")
 torch = pytest.importorskip("torch")
 

@@ -31,6 +31,17 @@ def test_import_dpcore_loads_no_framework_and_no_plugin():
     assert out.stdout.strip() == "[]"
 
 
+def test_listing_backends_imports_no_framework():
+    """Entry-point modules must import their framework only in the backend factory."""
+    out = run_python("""
+        import sys, dpcore
+        dpcore.available_backends()
+        print([m for m in ("torch", "jax", "tensorflow") if m in sys.modules])
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 def test_numpy_backend_comes_through_the_entry_point():
     backend = dpcore.get_backend("numpy")
     assert "numpy" in dpcore.available_backends()

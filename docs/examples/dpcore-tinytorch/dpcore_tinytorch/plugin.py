@@ -4,7 +4,7 @@ from dpcore.hookspecs import hookimpl
 
 
 def _make_backend():
-    from dpcore_tinytorch import TinyTorchBackend
+    from dpcore_tinytorch.backend import TinyTorchBackend
 
     return TinyTorchBackend()
 
