@@ -6,6 +6,10 @@ record's groups, sums, writes the groups' sum-query events, adds the noise and d
 public expected number of records q n. Backends that form clipped sums themselves (ghost
 clipping, book-keeping) call :meth:`~PrivateAggregator.clip_factors` and
 :meth:`~PrivateAggregator.release_sums` instead.
+
+The clips may move from step to step: ``clipping`` is a :class:`~dpcore.schedules.ClipSchedule`
+or :class:`~dpcore.adaptive.QuantileClipping`; :attr:`PrivateAggregator.mechanism` is always the
+mechanism in force at the current step, and the ledger records it.
 """
 
 from __future__ import annotations
@@ -23,20 +27,32 @@ from .plugins import get_backend
 from .queries import Mechanism
 
 
+class FixedClipping:
+    """The same mechanism at every step."""
+
+    count_groups: tuple = ()
+
+    def __init__(self, mechanism: Mechanism):
+        self.base = mechanism
+
+    def mechanism(self, step: int) -> Mechanism:
+        return self.base
+
+
 class PrivateAggregator:
     """Gaussian sum queries of ``mechanism`` on Poisson samples (rate ``q``) of ``n`` records.
 
     ``ledger`` is a :class:`Ledger`, a path (created, or reopened and appended to) or None (in
     memory). ``seed`` fixes sampling and noise for tests; None takes OS entropy.
     ``on_nonfinite`` is ``"raise"`` or ``"drop"`` (see :func:`aggregation.clip_factors`).
+    ``clipping`` makes the clips move over the steps (a schedule, or adaptive clipping).
     """
 
     def __init__(self, mechanism: Mechanism, *, n: int, q: float,
                  backend: str | Backend = "numpy", ledger: Ledger | PathLike | None = None,
-                 seed: int | None = None, on_nonfinite: str = "raise"):
+                 seed: int | None = None, on_nonfinite: str = "raise", clipping=None):
         if not isinstance(mechanism, Mechanism):
             raise TypeError(f"mechanism must be a dpcore Mechanism, got {mechanism!r}")
-        self.mechanism = mechanism
         self.n = check.count("n", n)
         self.q = check.probability("q", q)
         if on_nonfinite not in aggregation.NONFINITE_POLICIES:
@@ -56,9 +72,14 @@ class PrivateAggregator:
         self.sampler = self.backend.poisson_sampler(self.n, self.q, seed=sampling_seed)
         self.rng = self.backend.rng(None if seed is None
                                     else int(noise_seed.generate_state(1, np.uint64)[0] >> 1))
-        self._events = [SumQueryEvent(g.name, g.clip, g.noise_std) for g in mechanism.groups]
-        self._clips = [g.clip for g in mechanism.groups]
-        self._step_open = False
+        self._policy = (FixedClipping(mechanism) if clipping is None
+                        else clipping.bind(mechanism, self.expected_size))
+        self._step = -1  # index of the open step
+
+    @property
+    def mechanism(self) -> Mechanism:
+        """The mechanism in force at the current step."""
+        return self._policy.mechanism(max(self._step, 0))
 
     @property
     def expected_size(self) -> float:
@@ -68,7 +89,7 @@ class PrivateAggregator:
     def begin_step(self) -> None:
         """Record that a Poisson sample of rate q was drawn from the n records."""
         self.ledger.record_sampling(self.q, self.n)
-        self._step_open = True
+        self._step += 1
 
     def sample(self) -> np.ndarray:
         """Draw a Poisson sample (sorted record indices, possibly empty) and begin its step."""
@@ -79,29 +100,49 @@ class PrivateAggregator:
     def clip_factors(self, sq_norms, *, mask=None):
         """Per-record, per-group clip factors (B, G) from per-leaf squared norms (B, L), leaves
         in ``mechanism.leaves`` order."""
-        norms = aggregation.group_norms(sq_norms, self.mechanism, self.mechanism.leaves)
-        return aggregation.clip_factors(norms, self._clips, mask=mask,
+        mechanism = self.mechanism
+        norms = aggregation.group_norms(sq_norms, mechanism, mechanism.leaves)
+        return aggregation.clip_factors(norms, [g.clip for g in mechanism.groups], mask=mask,
                                         on_nonfinite=self.on_nonfinite)
 
-    def release_sums(self, clipped_sums: Mapping[str, object]) -> dict:
-        """Ledger, noise, division: the private average from clipped per-leaf sums."""
-        if not self._step_open:
+    def release_sums(self, clipped_sums: Mapping[str, object], *, factors=None,
+                     mask=None) -> dict:
+        """Ledger, noise, division: the private average from clipped per-leaf sums.
+
+        Adaptive clipping also needs the step's clip ``factors`` (and ``mask``) to count the
+        unclipped records; its counts are released as groups of their own."""
+        if self._step < 0:
             raise RuntimeError("no sample to release from: call sample() or begin_step() first")
-        self.mechanism.check_leaves(clipped_sums)
-        self.ledger.record_sum_queries(self._events)
-        self.rng, noisy = aggregation.add_noise(clipped_sums, self.mechanism, self.rng,
+        mechanism = self.mechanism
+        mechanism.check_leaves(clipped_sums)
+        counts = self._policy.count_groups
+        if counts:
+            if factors is None:
+                raise ValueError("adaptive clipping needs the step's clip factors: call "
+                                 "release_sums(sums, factors=factors, mask=mask)")
+            clipped_sums = {**clipped_sums, **self._policy.count_sums(factors, mask)}
+            mechanism = Mechanism(mechanism.groups + counts, mechanism.record,
+                                  mechanism.microbatch_size)
+        self.ledger.record_sum_queries([SumQueryEvent(g.name, g.clip, g.noise_std)
+                                        for g in mechanism.groups])
+        self.rng, noisy = aggregation.add_noise(clipped_sums, mechanism, self.rng,
                                                 self.backend.standard_normal)
-        return aggregation.scale(noisy, self.expected_size)
+        released = aggregation.scale(noisy, self.expected_size)
+        if counts:
+            self._policy.observe(released)
+            released = {leaf: released[leaf] for leaf in self.mechanism.leaves}
+        return released
 
     def release(self, per_record: Mapping[str, object], *, mask=None) -> dict:
         """The private average of ``per_record`` (leaf -> (B, *shape)), rows = the sample's
         records; ``mask`` (B,) marks real rows of a padded batch."""
-        self.mechanism.check_leaves(per_record)
-        leaves = self.mechanism.leaves
+        mechanism = self.mechanism
+        mechanism.check_leaves(per_record)
+        leaves = mechanism.leaves
         factors = self.clip_factors(aggregation.per_leaf_sq_norms(per_record, leaves), mask=mask)
         zero_rows = None
         if mask is not None or self.on_nonfinite == "drop":
             zero_rows = array_namespace(factors).equal(factors[:, 0], 0)
-        sums = aggregation.clipped_sum(per_record, factors, self.mechanism, leaves,
+        sums = aggregation.clipped_sum(per_record, factors, mechanism, leaves,
                                        zero_rows=zero_rows)
-        return self.release_sums(sums)
+        return self.release_sums(sums, factors=factors, mask=mask)
