@@ -4,19 +4,23 @@ The core imports no framework; backends (``numpy`` here, ``torch``, ``jax``, ``t
 third parties') register through the ``dpcore`` entry points and are loaded on first use.
 """
 
+from .adaptive import QuantileClipping
 from .aggregator import PrivateAggregator
 from .allocation import flat, grouped, per_layer
 from .backend import Backend
+from .budget import BudgetExhaustedError, PrivacyBudget
 from .ledger import Ledger, LedgerError, SamplingEvent, Step, SumQueryEvent, read_ledger
 from .plugins import available_backends, get_backend
 from .queries import Group, Mechanism, effective_noise_multiplier
 from .sampling import PoissonSampler, poisson_sample
+from .schedules import ClipSchedule
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Backend", "Group", "Ledger", "LedgerError", "Mechanism", "PoissonSampler",
-    "PrivateAggregator", "SamplingEvent", "Step", "SumQueryEvent", "available_backends",
+    "Backend", "BudgetExhaustedError", "ClipSchedule", "Group", "Ledger", "LedgerError",
+    "Mechanism", "PoissonSampler", "PrivacyBudget", "PrivateAggregator", "QuantileClipping",
+    "SamplingEvent", "Step", "SumQueryEvent", "available_backends",
     "effective_noise_multiplier", "flat", "get_backend", "grouped", "per_layer",
     "poisson_sample", "read_ledger",
 ]

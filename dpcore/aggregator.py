@@ -24,7 +24,8 @@ from . import aggregation
 from .backend import Backend
 from .ledger import Ledger, PathLike, SumQueryEvent
 from .plugins import get_backend
-from .queries import Mechanism
+from .budget import BudgetExhaustedError, PrivacyBudget
+from .queries import Mechanism, effective_noise_multiplier
 
 
 class FixedClipping:
@@ -46,11 +47,15 @@ class PrivateAggregator:
     memory). ``seed`` fixes sampling and noise for tests; None takes OS entropy.
     ``on_nonfinite`` is ``"raise"`` or ``"drop"`` (see :func:`aggregation.clip_factors`).
     ``clipping`` makes the clips move over the steps (a schedule, or adaptive clipping).
+    With a ``budget`` (:class:`~dpcore.budget.PrivacyBudget`), a step that would exceed it is
+    refused before anything of it is recorded: :meth:`begin_step` raises
+    :class:`~dpcore.budget.BudgetExhaustedError` (Algorithm 1 of the momentum paper).
     """
 
     def __init__(self, mechanism: Mechanism, *, n: int, q: float,
                  backend: str | Backend = "numpy", ledger: Ledger | PathLike | None = None,
-                 seed: int | None = None, on_nonfinite: str = "raise", clipping=None):
+                 seed: int | None = None, on_nonfinite: str = "raise", clipping=None,
+                 budget: PrivacyBudget | None = None):
         if not isinstance(mechanism, Mechanism):
             raise TypeError(f"mechanism must be a dpcore Mechanism, got {mechanism!r}")
         self.n = check.count("n", n)
@@ -75,6 +80,7 @@ class PrivateAggregator:
         self._policy = (FixedClipping(mechanism) if clipping is None
                         else clipping.bind(mechanism, self.expected_size))
         self._step = -1  # index of the open step
+        self.budget = budget
 
     @property
     def mechanism(self) -> Mechanism:
@@ -86,8 +92,26 @@ class PrivateAggregator:
         """q n: the public denominator of every average."""
         return self.q * self.n
 
+    def next_noise_multiplier(self) -> float:
+        """z of Eq. (1) for the next step: its gradient groups and any count groups."""
+        groups = self._policy.mechanism(self._step + 1).groups + self._policy.count_groups
+        return effective_noise_multiplier(g.privacy_tuple for g in groups)
+
+    def next_step_fits(self) -> bool:
+        """Whether the budget (if any) affords one more step."""
+        return self.budget is None or self.budget.allows(self.ledger, self.q,
+                                                         self.next_noise_multiplier())
+
     def begin_step(self) -> None:
         """Record that a Poisson sample of rate q was drawn from the n records."""
+        if self.budget is not None:
+            z = self.next_noise_multiplier()
+            if not self.budget.allows(self.ledger, self.q, z):
+                raise BudgetExhaustedError(
+                    f"one more step (q={self.q}, z={z:.4g}) would exceed the budget epsilon="
+                    f"{self.budget.target_epsilon} at delta={self.budget.delta}; "
+                    f"{self._step + 1} steps were taken")
+            self.budget.spend(self.q, z)
         self.ledger.record_sampling(self.q, self.n)
         self._step += 1
 

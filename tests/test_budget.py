@@ -1,0 +1,59 @@
+"""Budget-driven training: steps stop exactly where the accountant says the budget ends."""
+
+import numpy as np
+import pytest
+
+from dpcore import PrivateAggregator, flat
+from dpcore.accounting import epsilon
+from dpcore.budget import BudgetExhaustedError, PrivacyBudget
+from dpcore.ledger import Step
+from dpcore.schedules import ClipSchedule, decreasing
+
+DELTA, TARGET = 1e-5, 2.0
+
+
+def train_until_spent(agg):
+    steps = 0
+    while True:
+        try:
+            agg.begin_step()
+        except BudgetExhaustedError as exc:
+            return steps, exc
+        agg.release_sums({"x": np.zeros(1)})
+        steps += 1
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_training_stops_at_the_last_step_that_fits(accountant):
+    budget = PrivacyBudget(TARGET, DELTA, accountant=accountant)
+    agg = PrivateAggregator(flat(["x"], clip=1.0, noise_multiplier=1.5), n=1000, q=0.05,
+                            budget=budget, seed=0)
+    taken, exc = train_until_spent(agg)
+    assert taken > 0 and "would exceed the budget" in str(exc)
+    spent = epsilon(agg.ledger, DELTA, accountant=accountant)
+    one_more = epsilon(agg.ledger.steps() + [Step(0.05, 1.5)], DELTA, accountant=accountant)
+    assert spent <= TARGET < one_more
+    # the refused step left no trace in the ledger
+    assert sum(s.count for s in agg.ledger.steps()) == taken
+    assert not agg.next_step_fits()
+
+
+def test_a_decreasing_clip_with_fixed_noise_fits_more_steps():
+    def steps_with(schedule):
+        agg = PrivateAggregator(flat(["x"], clip=1.0, noise_multiplier=1.5), n=1000, q=0.05,
+                                budget=PrivacyBudget(TARGET, DELTA, accountant="rdp"),
+                                clipping=schedule, seed=0)
+        taken, _ = train_until_spent(agg)
+        assert epsilon(agg.ledger, DELTA, accountant="rdp") <= TARGET
+        return taken
+
+    plain = steps_with(None)
+    decreasing_clip = steps_with(ClipSchedule(decreasing(20), hold="noise_std"))
+    assert decreasing_clip > 1.5 * plain
+
+
+def test_bad_budgets():
+    with pytest.raises(ValueError, match="target_epsilon must be finite and >= 0, got -1"):
+        PrivacyBudget(-1, 1e-5)
+    with pytest.raises(ValueError, match=r"delta must be in \(0, 1\), got 1\.0"):
+        PrivacyBudget(1.0, 1.0)
