@@ -11,7 +11,6 @@ the credit is spent or a costlier step comes. Every answer is therefore the acco
 from __future__ import annotations
 
 from . import _validation as check
-from .accounting import remaining_steps
 from .ledger import Ledger
 
 
@@ -34,6 +33,8 @@ class PrivacyBudget:
 
     def remaining(self, ledger: Ledger, q: float, noise_multiplier: float) -> int:
         """How many more steps at (q, z) fit in the budget after the steps in ``ledger``."""
+        from .accounting import remaining_steps  # scipy.signal and .optimize load slowly
+
         return remaining_steps(ledger, q, noise_multiplier, self.target_epsilon, self.delta,
                                accountant=self.accountant)
 
