@@ -243,12 +243,13 @@ class PerExampleEngine:
         """sum_i factors[i, groups[leaf]] * grad_i for every leaf: the book-keeping sums."""
         contributions, batch = self._contributions()
         scale = self._scale(batch)
-        out = {}
+        out, weights = {}, {}
         for leaf, column in groups.items():
             uses, p = contributions[leaf], self.params[leaf]
-            c = factors[:, column]
-            if scale != 1.0:
-                c = c * scale
+            if column not in weights:  # one tensor per group, so rules can share work
+                weights[column] = factors[:, column] * scale if scale != 1.0 else \
+                    factors[:, column]
+            c = weights[column]
             if not uses:
                 out[leaf] = torch.zeros_like(p)
             elif len(uses) == 1 and isinstance(uses[0][0], _RuleUnit):

@@ -148,6 +148,14 @@ def _sq(t):
     return torch.einsum("bi,bi->b", t, t)
 
 
+def ghost_is_cheaper(t: int, ghost_width: int, size: int) -> bool:
+    """Mixed ghost norm (Bu et al.): per example, the ghost norm of a layer with T positions
+    costs T^2 * ``ghost_width`` (d_in + d_out for Linear) against ``size`` (d_in d_out) to hold
+    the materialised gradient. Materialised gradients also make the clipped sum a cheap
+    contraction over examples, so ghost norms are used only where they are smaller."""
+    return t * t * ghost_width < size
+
+
 def _contract(c, grads):
     """sum_i c_i grads_i."""
     return torch.tensordot(c.to(grads.dtype), grads, dims=1)
@@ -192,7 +200,10 @@ def _record(use_list, x, aux=None) -> Use:
 class LinearRule(Rule):
     @staticmethod
     def _xg(use):
+        """x (B, T, d_in) and g (B, T, d_out), or (B, d_in) and (B, d_out) for vectors."""
         x, g = use.x, use.g
+        if x.dim() == 2:
+            return x, g
         b, t = x.shape[0], math.prod(x.shape[1:-1])
         return x.reshape(b, t, x.shape[-1]), g.reshape(b, t, g.shape[-1])
 
@@ -202,30 +213,40 @@ class LinearRule(Rule):
 
     def grad(self, module, use, name):
         x, g = self._xg(use)
+        if x.dim() == 2:
+            return g if name == "bias" else g[:, :, None] * x[:, None, :]
         if name == "bias":
             return g.sum(1)
-        return torch.einsum("bto,bti->boi", g, x)
+        return torch.bmm(g.transpose(1, 2), x)
 
     def sq_norm(self, module, use, name):
         x, g = self._xg(use)
+        if x.dim() == 2:  # one position: ||g_i x_i^T||^2 = ||x_i||^2 ||g_i||^2
+            if "g2" not in use.cache:
+                use.cache["g2"] = (g * g).sum(1)
+            return use.cache["g2"] if name == "bias" else (x * x).sum(1) * use.cache["g2"]
         if name == "bias":
             return _sq(g.sum(1))
         t, d_in, d_out = x.shape[1], x.shape[2], g.shape[2]
-        if t == 1:
-            return _sq(x) * _sq(g)
-        if t * (d_in + d_out) < d_in * d_out:  # ghost norm is cheaper than materialising
+        if ghost_is_cheaper(t, d_in + d_out, d_in * d_out):
             gram_x = torch.bmm(x, x.transpose(1, 2))
             gram_g = torch.bmm(g, g.transpose(1, 2))
-            return torch.einsum("bts,bts->b", gram_x, gram_g)
+            return (gram_x * gram_g).sum((1, 2))
         return super().sq_norm(module, use, name)
 
     def weighted_sum(self, module, use, name, c):
         if name in use.cache:
             return _contract(c, use.cache[name])
         x, g = self._xg(use)
-        cg = g * c.to(g.dtype)[:, None, None]
+        key = ("cg", id(c))  # weight and bias of one group share c_i g_i
+        if key not in use.cache:
+            shape = (-1,) + (1,) * (g.dim() - 1)
+            use.cache[key] = g * c.to(g.dtype).reshape(shape)
+        cg = use.cache[key]
         if name == "bias":
-            return cg.sum((0, 1))
+            return cg.sum(0) if cg.dim() == 2 else cg.sum((0, 1))
+        if x.dim() == 2:
+            return cg.t().mm(x)
         return cg.reshape(-1, cg.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
 
 
@@ -277,17 +298,29 @@ class ConvRule(Rule):
         return cols, g.reshape(b, groups, g.shape[1] // groups, length)
 
     def grad(self, module, use, name):
+        """Per-example weight gradients as the weight gradient of one convolution with the
+        examples as extra groups: input (1, B C_in, ...), backprop (1, B C_out, ...),
+        groups B * groups, so output channel block i sees only example i."""
+        x, g, w = use.x, use.g, module.weight
+        b = x.shape[0]
         if name == "bias":
-            return use.g.flatten(2).sum(-1)
-        cols, g = self._unfolded(module, use)
-        per = torch.einsum("bgol,bgdl->bgod", g, cols)
-        return per.reshape(per.shape[0], *module.weight.shape)
+            return g.flatten(2).sum(-1)
+        if b == 0:
+            return w.new_zeros((0, *w.shape))
+        stacked = w.new_empty(1).expand(b * w.shape[0], *w.shape[1:])
+        per = torch.ops.aten.convolution_backward(
+            g.reshape(1, b * g.shape[1], *g.shape[2:]), x.reshape(1, b * x.shape[1], *x.shape[2:]),
+            stacked, None, module.stride, use.aux, module.dilation, False,
+            [0] * (x.dim() - 2), b * module.groups, (False, True, False))[1]
+        return per.reshape(b, *w.shape)
 
     def sq_norm(self, module, use, name):
         if name == "weight":
-            cols, g = self._unfolded(module, use)
-            length, d, o = cols.shape[-1], cols.shape[2], g.shape[2]
-            if length * (d + o) < d * o:  # ghost norm is cheaper than materialising
+            length = math.prod(use.g.shape[2:])
+            d = module.in_channels // module.groups * math.prod(module.kernel_size)
+            o = module.out_channels // module.groups
+            if ghost_is_cheaper(length, d + o, d * o):
+                cols, g = self._unfolded(module, use)
                 gram_x = torch.einsum("bgdl,bgdm->bglm", cols, cols)
                 gram_g = torch.einsum("bgol,bgom->bglm", g, g)
                 return torch.einsum("bglm,bglm->b", gram_x, gram_g)
@@ -338,10 +371,14 @@ class EmbeddingRule(Rule):
 
     def sq_norm(self, module, use, name):
         k, g = self._kg(module, use)
+        if not ghost_is_cheaper(k.shape[1], 1 + g.shape[2], module.weight.numel()):
+            return super().sq_norm(module, use, name)
         same = (k[:, :, None] == k[:, None, :]).to(g.dtype)
         return torch.einsum("bts,bts->b", same, torch.bmm(g, g.transpose(1, 2)))
 
     def weighted_sum(self, module, use, name, c):
+        if name in use.cache:
+            return _contract(c, use.cache[name])
         k, g = self._kg(module, use)
         cg = (g * c.to(g.dtype)[:, None, None]).reshape(-1, g.shape[-1])
         return torch.zeros_like(module.weight).index_add_(0, k.reshape(-1), cg)

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dpcore import Mechanism, PrivateAggregator, flat, get_backend, per_layer
+from dpcore import Mechanism, PrivateAggregator, flat, per_layer
 
+from .backend import TorchBackend
 from .data import poisson_loader, sample_rate_of, steps_per_epoch
 from .engine import PerExampleEngine
 from .optimizer import PrivateOptimizer
@@ -86,7 +87,7 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     mechanism = build_mechanism(clipping, engine.leaf_sizes, max_grad_norm, noise_multiplier)
     sampling_seed, noise_seed = np.random.SeedSequence(seed).spawn(2)
     aggregator = PrivateAggregator(
-        mechanism, n=n, q=q, backend=get_backend("torch"), ledger=ledger,
+        mechanism, n=n, q=q, backend=TorchBackend(), ledger=ledger,
         seed=None if seed is None else int(noise_seed.generate_state(1)[0]))
     loader = poisson_loader(
         data_loader.dataset, q, seed=sampling_seed, collate_fn=data_loader.collate_fn,

@@ -1,0 +1,81 @@
+"""The three benchmark workloads of issue 4, built only from layers that both dpcore and Opacus
+support per example (Conv2d, Linear, Embedding, LayerNorm), so every mode runs the same model.
+
+(a) MNIST CNN of Yu, Zhang & Chen: conv 1->10 5x5, max-pool 2, conv 10->20 5x5, max-pool 2,
+    fc 320->50, fc 50->10 (ReLU), batch 256 of 28x28 random images;
+(b) covertype MLP 54-100-100-7 with tanh, batch 512;
+(c) a transformer encoder: token embedding 10,000 x 128 and learned positions, 2 pre-norm
+    blocks (4 heads, feed-forward 512, attention by scaled_dot_product_attention over Linear
+    projections), mean pooling, 2 classes; sequence 64, batch 32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MnistCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 10, 5)
+        self.conv2 = nn.Conv2d(10, 20, 5)
+        self.fc1 = nn.Linear(320, 50)
+        self.fc2 = nn.Linear(50, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def covertype_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(54, 100), nn.Tanh(), nn.Linear(100, 100), nn.Tanh(),
+                         nn.Linear(100, 7))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, ff: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ff1, self.ff2 = nn.Linear(d, ff), nn.Linear(ff, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2))
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.ff2(F.gelu(self.ff1(self.norm2(x))))
+
+
+class Encoder(nn.Module):
+    def __init__(self, vocab=10_000, d=128, layers=2, heads=4, ff=512, seq=64, classes=2):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.Sequential(*[Block(d, heads, ff) for _ in range(layers)])
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, classes)
+
+    def forward(self, k):
+        pos = torch.arange(k.shape[1], device=k.device).expand_as(k)
+        h = self.blocks(self.tokens(k) + self.positions(pos))
+        return self.head(self.norm(h).mean(1))
+
+
+def workload(name: str, seed: int = 0):
+    """(model, inputs, targets) of one of "cnn", "mlp", "transformer"."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    if name == "cnn":
+        return MnistCNN(), torch.randn(256, 1, 28, 28, generator=gen), \
+            torch.randint(0, 10, (256,), generator=gen)
+    if name == "mlp":
+        return covertype_mlp(), torch.randn(512, 54, generator=gen), \
+            torch.randint(0, 7, (512,), generator=gen)
+    if name == "transformer":
+        return Encoder(), torch.randint(0, 10_000, (32, 64), generator=gen), \
+            torch.randint(0, 2, (32,), generator=gen)
+    raise ValueError(f"workload must be cnn, mlp or transformer, got {name!r}")

@@ -1,0 +1,152 @@
+"""DP step time and peak memory of dpcore's PyTorch backend against the non-private step and
+Opacus (hooks, ghost, functorch), on the workloads of :mod:`torch_models`.
+
+    python benchmarks/torch_step.py                  # all workloads, all modes
+    python benchmarks/torch_step.py --workloads mlp --rounds 50
+
+A *step* is zero_grad, forward, cross-entropy (mean), backward and optimizer.step (SGD) on a
+fixed batch, so every mode does the same work (the DP modes: flat clipping at 1.0, noise
+multiplier 1.0, q n = B).
+
+Time: all modes of a workload live in one process and are timed round-robin (one step of each
+mode per round, after warm-up), so drift of the machine hits them alike; we report the median.
+
+Memory: each (workload, mode) runs in a fresh subprocess that builds the model, optimizer and
+batch, records its resident set size (RSS, /proc/self/statm), runs the steps and reads the
+process's peak RSS (getrusage ru_maxrss). Peak memory of a step = peak RSS - RSS before the
+first step: it counts every allocation of the step (activations, backprops, per-example
+gradients, noise), including torch's and the allocator's. Large tensors are mmap'ed by glibc and
+returned on free, so the peak follows live memory; small allocations may be cached, which
+inflates all modes alike by a little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_models import workload  # noqa: E402
+
+MODES = ("non-private", "dpcore", "dpcore-vmap", "opacus-hooks", "opacus-ghost",
+         "opacus-functorch")
+WORKLOADS = ("cnn", "mlp", "transformer")
+
+
+def build(name: str, mode: str):
+    """A ``step()`` closure for workload ``name`` in ``mode``."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model, x, y = workload(name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    criterion = torch.nn.CrossEntropyLoss()
+    loader = DataLoader(TensorDataset(x, y), batch_size=len(x))  # q n = B
+    if mode.startswith("dpcore"):
+        from dpcore_torch import make_private
+
+        model, opt, _ = make_private(model, opt, loader, noise_multiplier=1.0, max_grad_norm=1.0,
+                                     mode="vmap" if mode == "dpcore-vmap" else "auto", seed=0)
+    elif mode.startswith("opacus"):
+        from opacus import PrivacyEngine
+
+        warnings.filterwarnings("ignore")
+        engine = PrivacyEngine(accountant="rdp")
+        grad_mode = mode.split("-")[1]
+        grad_mode = "hooks" if grad_mode == "hooks" else grad_mode
+        out = engine.make_private(module=model, optimizer=opt, data_loader=loader,
+                                  noise_multiplier=1.0, max_grad_norm=1.0, criterion=criterion,
+                                  poisson_sampling=False, grad_sample_mode=grad_mode)
+        model, opt = out[0], out[1]
+        if grad_mode == "ghost":
+            criterion = out[2]
+
+    def step():
+        opt.zero_grad()
+        loss = criterion(model(x), y)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def time_modes(name: str, modes, rounds: int, warmup: int = 3) -> dict[str, float]:
+    steps = {mode: build(name, mode) for mode in modes}
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times = {mode: [] for mode in modes}
+    for _ in range(rounds):
+        for mode, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[mode].append(time.perf_counter() - start)
+    return {mode: statistics.median(t) for mode, t in times.items()}
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_memory(name: str, mode: str, steps: int = 3) -> int:
+    """Bytes: peak RSS during ``steps`` steps minus RSS before them (run in this process)."""
+    step = build(name, mode)
+    before = _rss()
+    if resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 > before + (1 << 20):
+        # set-up already peaked above the current RSS: measure from a fresh process instead
+        raise RuntimeError("set-up peak above current RSS; cannot attribute the step's peak")
+    for _ in range(steps):
+        step()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+
+
+def memory_in_subprocess(name: str, mode: str) -> int | None:
+    cmd = [sys.executable, __file__, "--memory-child", name, mode]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        print(f"  memory of {name}/{mode} failed: {out.stderr.strip().splitlines()[-1]}")
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--rounds", type=int, default=None, help="timed steps per mode")
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_child:
+        print(json.dumps(peak_memory(*args.memory_child)))
+        return
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    default_rounds = {"cnn": 20, "mlp": 100, "transformer": 10}
+    for name in args.workloads:
+        med = time_modes(name, args.modes, args.rounds or default_rounds[name])
+        mem = {} if args.no_memory else {m: memory_in_subprocess(name, m) for m in args.modes}
+        base_t = med.get("non-private")
+        base_m = mem.get("non-private")
+        print(f"\n{name}")
+        print(f"  {'mode':<17} {'step ms':>8} {'x time':>7} {'peak MiB':>9} {'x memory':>9}")
+        for mode in args.modes:
+            t = med[mode] * 1e3
+            rt = f"{med[mode] / base_t:.2f}" if base_t else "-"
+            m = mem.get(mode)
+            ms = f"{m / 2**20:.1f}" if m is not None else "-"
+            rm = f"{m / base_m:.2f}" if m is not None and base_m else "-"
+            print(f"  {mode:<17} {t:8.2f} {rt:>7} {ms:>9} {rm:>9}")
+
+
+if __name__ == "__main__":
+    main()
