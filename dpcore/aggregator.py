@@ -79,13 +79,23 @@ class PrivateAggregator:
                                     else int(noise_seed.generate_state(1, np.uint64)[0] >> 1))
         self._policy = (FixedClipping(mechanism) if clipping is None
                         else clipping.bind(mechanism, self.expected_size))
-        self._step = -1  # index of the open step
         self.budget = budget
+        self._enter(-1)
+
+    def _enter(self, step: int) -> None:
+        """Fix the mechanism of step ``step`` (-1: before the first), the groups it releases
+        (with adaptive clipping's counts) and their ledger events."""
+        self._step = step
+        self._mechanism = self._policy.mechanism(max(step, 0))
+        released = self._mechanism.groups + self._policy.count_groups
+        self._released = Mechanism(released, self._mechanism.record,
+                                   self._mechanism.microbatch_size)
+        self._events = [SumQueryEvent(g.name, g.clip, g.noise_std) for g in released]
 
     @property
     def mechanism(self) -> Mechanism:
         """The mechanism in force at the current step."""
-        return self._policy.mechanism(max(self._step, 0))
+        return self._mechanism
 
     @property
     def expected_size(self) -> float:
@@ -113,7 +123,7 @@ class PrivateAggregator:
                     f"{self._step + 1} steps were taken")
             self.budget.spend(self.q, z)
         self.ledger.record_sampling(self.q, self.n)
-        self._step += 1
+        self._enter(self._step + 1)
 
     def sample(self) -> np.ndarray:
         """Draw a Poisson sample (sorted record indices, possibly empty) and begin its step."""
@@ -137,24 +147,20 @@ class PrivateAggregator:
         unclipped records; its counts are released as groups of their own."""
         if self._step < 0:
             raise RuntimeError("no sample to release from: call sample() or begin_step() first")
-        mechanism = self.mechanism
-        mechanism.check_leaves(clipped_sums)
+        self._mechanism.check_leaves(clipped_sums)
         counts = self._policy.count_groups
         if counts:
             if factors is None:
                 raise ValueError("adaptive clipping needs the step's clip factors: call "
                                  "release_sums(sums, factors=factors, mask=mask)")
             clipped_sums = {**clipped_sums, **self._policy.count_sums(factors, mask)}
-            mechanism = Mechanism(mechanism.groups + counts, mechanism.record,
-                                  mechanism.microbatch_size)
-        self.ledger.record_sum_queries([SumQueryEvent(g.name, g.clip, g.noise_std)
-                                        for g in mechanism.groups])
-        self.rng, noisy = aggregation.add_noise(clipped_sums, mechanism, self.rng,
+        self.ledger.record_sum_queries(self._events)
+        self.rng, noisy = aggregation.add_noise(clipped_sums, self._released, self.rng,
                                                 self.backend.standard_normal)
         released = aggregation.scale(noisy, self.expected_size)
         if counts:
             self._policy.observe(released)
-            released = {leaf: released[leaf] for leaf in self.mechanism.leaves}
+            released = {leaf: released[leaf] for leaf in self._mechanism.leaves}
         return released
 
     def release(self, per_record: Mapping[str, object], *, mask=None) -> dict:

@@ -58,8 +58,9 @@ def test_sum_uses_the_current_clip_and_the_clip_moves_after():
     assert out["x"][0] == pytest.approx((0.05 + 0.1 * 3) / 50)  # clipped with C_0 = 0.1
     fraction = (1 - 0.5 * 4) / 50 + 0.5  # released centred count / (q n) + 1/2
     expected = 0.1 * math.exp(-0.2 * (fraction - 0.5))
-    assert agg.mechanism.groups[0].clip == pytest.approx(expected)
+    assert agg.mechanism.groups[0].clip == pytest.approx(0.1)  # the step's own clip
     agg.begin_step()
+    assert agg.mechanism.groups[0].clip == pytest.approx(expected)
     agg.release({"x": norms[:, None]})
     first, second = [e for e in agg.ledger.events
                      if isinstance(e, SumQueryEvent) and e.group == "all"]
