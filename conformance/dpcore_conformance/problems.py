@@ -37,7 +37,7 @@ def linear_regression(batch: int = 8, dim: int = 5, seed: int = 0) -> Problem:
     def loss(xp):
         def loss_fn(p, data):
             x, y = data
-            r = x @ p["w"] + p["b"][0] - y
+            r = xp.matmul(x, p["w"]) + p["b"][0] - y
             return 0.5 * r * r
         return loss_fn
 
@@ -60,7 +60,7 @@ def logistic_regression(batch: int = 8, dim: int = 5, seed: int = 1) -> Problem:
     def loss(xp):
         def loss_fn(p, data):
             x, y = data
-            return xp.log(1.0 + xp.exp(-y * (x @ p["w"] + p["b"][0])))
+            return xp.log(1.0 + xp.exp(-y * (xp.matmul(x, p["w"]) + p["b"][0])))
         return loss_fn
 
     def grads(p, data):
@@ -84,8 +84,8 @@ def tanh_mlp(batch: int = 8, dim: int = 4, hidden: int = 6, seed: int = 2) -> Pr
     def loss(xp):
         def loss_fn(p, data):
             x, y = data
-            h = xp.tanh(x @ p["W1"] + p["b1"])
-            r = h @ p["w2"] + p["b2"][0] - y
+            h = xp.tanh(xp.matmul(x, p["W1"]) + p["b1"])
+            r = xp.matmul(h, p["w2"]) + p["b2"][0] - y
             return 0.5 * r * r
         return loss_fn
 
