@@ -10,7 +10,17 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
+    "Buckets": "batching",
+    "PoissonBatches": "batching",
     "JaxBackend": "backend",
+    "clipped_sums": "clipping",
+    "noisy_mean": "clipping",
+    "PrivateGrad": "grad",
+    "private_grad": "grad",
+    "PrivateStep": "training",
+    "train": "training",
+    "private_aggregate": "transform",
+    "private_optimizer": "transform",
     "make_key": "backend",
     "leaf_names": "names",
     "leaf_sizes": "names",

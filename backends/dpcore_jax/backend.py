@@ -5,7 +5,10 @@ Randomness is explicit, as everywhere in JAX: :meth:`JaxBackend.rng` returns a t
 next, so the generator state is carried in the caller's state (the aggregator, an optax state).
 
 Per-example gradients of ``loss_fn(params, batch) -> (B,)`` are ``vmap(grad)`` of the loss of
-one-example batches, compiled with ``jit``.
+one-example batches, compiled with ``jit``. :meth:`JaxBackend.private_gradient` is the fused
+compiled step of :mod:`dpcore_jax.private_grad`: ghost norms and book-keeping sums
+(:mod:`dpcore_jax.ghost`), clipping, noise and the division by q n in one XLA program, with the
+ledger written on the host before the result is returned.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ class JaxBackend(contract.Backend):
 
     name = "jax"
     version = jax.__version__
-    capabilities = frozenset({contract.PER_EXAMPLE_GRADS, contract.JIT})
+    capabilities = frozenset({contract.PER_EXAMPLE_GRADS, contract.GHOST_NORMS, contract.JIT})
 
     def namespace(self) -> Any:
         return jnp
@@ -95,3 +98,15 @@ class JaxBackend(contract.Backend):
         """Squared per-example gradient norms (B, L), leaves in :func:`leaf_names` order."""
         return per_leaf_sq_norms(self.per_example_grads(loss_fn, params, batch),
                                  leaf_names(params))
+
+    def private_gradient(self, loss_fn: Callable, params: Mapping[str, Any], batch, aggregator,
+                         *, mask=None) -> dict:
+        """``{leaf name: private mean gradient}`` by the fused compiled step (one per
+        ``loss_fn`` and aggregator, see :class:`dpcore_jax.private_grad.PrivateGrad`) when
+        the aggregator draws its noise from this backend; otherwise the core's generic path
+        on :meth:`per_example_grads`."""
+        if not isinstance(aggregator.backend, JaxBackend):
+            return super().private_gradient(loss_fn, params, batch, aggregator, mask=mask)
+        from .grad import private_grad_for
+
+        return named_leaves(private_grad_for(loss_fn, aggregator)(params, batch, mask=mask))

@@ -9,6 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dpcore_jax.backend import one_example_loss
+from dpcore_jax.names import named_leaves
+
 
 def xent(logits, labels):
     return -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1)[:, 0]
@@ -144,3 +147,18 @@ def model(rng, kind):
 
 
 KINDS = ("logistic", "mlp", "cnn", "transformer", "tied", "flax")
+
+
+def float64_oracle(loss_fn, params, batch):
+    """Per-example gradients one example at a time, in float64 (x64 enabled only here)."""
+    with jax.enable_x64(True):
+        p64 = jax.tree_util.tree_map(lambda a: jnp.asarray(np.asarray(a, np.float64)), params)
+        grad = jax.jit(jax.grad(one_example_loss(loss_fn)))
+        size = len(jax.tree_util.tree_leaves(batch)[0])
+        rows = []
+        for i in range(size):
+            example = jax.tree_util.tree_map(lambda a: np.asarray(a)[i], batch)
+            example = jax.tree_util.tree_map(
+                lambda a: a.astype(np.float64) if np.issubdtype(a.dtype, np.floating) else a, example)
+            rows.append({k: np.asarray(v) for k, v in named_leaves(grad(p64, example)).items()})
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}

@@ -11,7 +11,7 @@ import pytest
 
 import dpcore
 from dpcore import backend as contract
-from dpcore_jax.backend import JaxBackend, make_key, one_example_loss
+from dpcore_jax.backend import JaxBackend, make_key
 from dpcore_jax.names import leaf_names, named_leaves, unflatten_like
 
 import jax_models as models
@@ -90,28 +90,13 @@ def test_per_example_grads_match_the_analytic_float64_oracle():
                                    atol=F32_TOL * np.abs(oracle[leaf]).max())
 
 
-def float64_oracle(loss_fn, params, batch):
-    """Per-example gradients one example at a time, in float64 (x64 enabled only here)."""
-    with jax.enable_x64(True):
-        p64 = jax.tree_util.tree_map(lambda a: jnp.asarray(np.asarray(a, np.float64)), params)
-        grad = jax.jit(jax.grad(one_example_loss(loss_fn)))
-        size = len(jax.tree_util.tree_leaves(batch)[0])
-        rows = []
-        for i in range(size):
-            example = jax.tree_util.tree_map(lambda a: np.asarray(a)[i], batch)
-            example = jax.tree_util.tree_map(
-                lambda a: a.astype(np.float64) if np.issubdtype(a.dtype, np.floating) else a, example)
-            rows.append({k: np.asarray(v) for k, v in named_leaves(grad(p64, example)).items()})
-    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
-
-
 @pytest.mark.parametrize("kind", models.KINDS)
 def test_per_example_grads_match_a_float64_one_at_a_time_oracle(kind):
     rng = np.random.default_rng(1)
     loss_fn, params = models.model(rng, kind)
     batch = models.data(rng, kind, 6)
     grads = JaxBackend().per_example_grads(loss_fn, params, batch)
-    oracle = float64_oracle(loss_fn, params, batch)
+    oracle = models.float64_oracle(loss_fn, params, batch)
     assert set(grads) == set(oracle) == set(leaf_names(params))
     for leaf in oracle:
         assert grads[leaf].dtype == jnp.float32

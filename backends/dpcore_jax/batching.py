@@ -1,0 +1,124 @@
+"""Poisson batches of fixed shapes, so that a compiled step is reused across steps.
+
+A Poisson sample of rate q from n records has Binomial(n, q) size: mean q n, standard
+deviation s = sqrt(q n (1 - q)). Compiling one program per realised size would recompile
+almost every step, so each sample is padded up to a *bucket*: the next multiple of a
+granularity k. Sizes stay within q n +- 4 s except with probability < 1e-4 per step, so about
+8 s / k + 1 buckets occur; the default k = ceil(s / 2) (rounded up to a multiple of
+``multiple_of``) gives about 17 shapes at an average padding of k / 2 = s / 4 rows, which for
+q n = 256 is 4 rows (1.5%). Padded rows carry ``mask`` False and are zeroed in norms, sums and
+counts; the average is divided by q n, never by the realised size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Sequence
+
+import jax
+import numpy as np
+
+from dpcore import _validation as check
+
+
+class Buckets:
+    """Padded sizes: multiples of ``granularity`` (at least one bucket, even for an empty
+    sample). ``granularity=None`` derives it from the expected size q n and the sampling
+    rate q as described in the module docstring; ``multiple_of`` (e.g. a chunk size or the
+    number of accumulation steps) divides every bucket."""
+
+    def __init__(self, expected_size: float, q: float = 0.0, *, granularity: int | None = None,
+                 multiple_of: int = 1):
+        expected_size = check.positive("expected_size", expected_size)
+        q = check.probability("q", q, allow_zero=True)
+        self.multiple_of = check.count("multiple_of", multiple_of, minimum=1)
+        if granularity is None:
+            spread = math.sqrt(expected_size * (1.0 - q))
+            granularity = max(1, math.ceil(spread / 2))
+        granularity = check.count("granularity", granularity, minimum=1)
+        self.granularity = math.ceil(granularity / self.multiple_of) * self.multiple_of
+
+    def size_for(self, rows: int) -> int:
+        """The bucket for a sample of ``rows`` records: the smallest multiple of the
+        granularity that holds them (one granularity for an empty sample)."""
+        rows = check.count("rows", rows)
+        return max(1, math.ceil(rows / self.granularity)) * self.granularity
+
+    def __repr__(self) -> str:
+        return f"Buckets(granularity={self.granularity})"
+
+
+def pad(data, indices: np.ndarray, size: int):
+    """``(batch, mask)``: the rows ``indices`` of every array in ``data`` (a pytree of NumPy
+    arrays with a common first dimension), followed by zero rows up to ``size``; ``mask``
+    (size,) is True on the real rows."""
+    indices = np.asarray(indices, dtype=np.int64)
+    if len(indices) > size:
+        raise ValueError(f"a sample of {len(indices)} records does not fit a batch of {size}")
+
+    def take(a):
+        a = np.asarray(a)
+        out = np.zeros((size,) + a.shape[1:], dtype=a.dtype)
+        out[:len(indices)] = a[indices]
+        return out
+
+    mask = np.zeros(size, dtype=bool)
+    mask[:len(indices)] = True
+    return jax.tree_util.tree_map(take, data), mask
+
+
+def _rows(data) -> int:
+    sizes = {np.shape(a)[0] for a in jax.tree_util.tree_leaves(data)}
+    if len(sizes) != 1:
+        raise ValueError(f"every array of the data needs the same number of rows, got {sorted(sizes)}")
+    return sizes.pop()
+
+
+class PoissonBatches:
+    """Padded Poisson batches of ``data`` for ``aggregator``'s sampling.
+
+    Each step calls ``aggregator.sample()``, which draws the sample and writes the step's
+    sampling event to the ledger, then pads the sample to its bucket. Iterating yields
+    ``(batch, mask)``; with ``splits=k`` (gradient accumulation) it yields a list of k
+    equal-sized ``(batch, mask)`` parts of one sample, whose clipped sums are to be added and
+    noised once. ``steps`` bounds the iteration (None: endless).
+    """
+
+    def __init__(self, data, aggregator, *, buckets: Buckets | None = None, splits: int = 1,
+                 steps: int | None = None):
+        rows = _rows(data)
+        if rows != aggregator.n:
+            raise ValueError(f"data has {rows} records but the aggregator samples from "
+                             f"n={aggregator.n}")
+        self.data = data
+        self.aggregator = aggregator
+        self.splits = check.count("splits", splits, minimum=1)
+        self.buckets = buckets or Buckets(aggregator.expected_size, aggregator.q,
+                                          multiple_of=self.splits)
+        if self.buckets.granularity % self.splits:
+            raise ValueError(f"bucket granularity {self.buckets.granularity} is not a multiple "
+                             f"of splits={self.splits}")
+        self.steps = None if steps is None else check.count("steps", steps)
+
+    def next(self):
+        indices = self.aggregator.sample()
+        batch, mask = pad(self.data, indices, self.buckets.size_for(len(indices)))
+        if self.splits == 1:
+            return batch, mask
+        return split(batch, mask, self.splits)
+
+    def __iter__(self) -> Iterator:
+        taken = 0
+        while self.steps is None or taken < self.steps:
+            yield self.next()
+            taken += 1
+
+
+def split(batch, mask: np.ndarray, parts: int) -> Sequence:
+    """``parts`` consecutive equal slices ``(batch, mask)`` of a padded batch."""
+    size = mask.shape[0]
+    if size % parts:
+        raise ValueError(f"a batch of {size} rows cannot be split into {parts} equal parts")
+    step = size // parts
+    return [(jax.tree_util.tree_map(lambda a: a[i * step:(i + 1) * step], batch),
+             mask[i * step:(i + 1) * step]) for i in range(parts)]

@@ -1,0 +1,151 @@
+"""The compiled part of a private step: clipped per-leaf sums of a padded batch, then noise.
+
+For a batch of B rows (records), ``mask`` (B,) marking the real ones, and the groups of a
+:class:`dpcore.Mechanism`, :func:`clipped_sums` computes, inside one traced function,
+
+    sq[i, j]   = ||dl_i/dtheta_j||^2                (ghost norms or vmap; :mod:`dpcore_jax.ghost`)
+    f[i, g]    = min(1, S_g / ||(dl_i/dtheta_j / alpha_j)_{j in g}||) for real finite rows, else 0
+    sums[j]    = sum_i f[i, g(j)] dl_i/dtheta_j     (book-keeping or an einsum over vmap grads)
+
+with the core's Array API kernels (:func:`dpcore.aggregation.group_norms`,
+:func:`~dpcore.aggregation.clip_factors` with ``on_nonfinite="drop"``, which needs no host
+read) and the number of real rows whose norm was not finite, for the host to raise on.
+With ``chunk_size`` the rows are processed ``chunk_size`` at a time in a ``lax.scan``, which
+bounds memory at large batches (clip factors depend only on each row's own norms).
+:func:`noisy_mean` then adds N(0, (alpha_j sigma~_g)^2) per leaf from an explicit key and
+divides by the public expected size q n. Everything here is pure and can run under ``jit``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from dpcore import aggregation
+from dpcore.queries import Mechanism
+
+from . import ghost
+from .backend import one_example_loss, standard_normal
+from .names import leaf_names, named_leaves, unflatten_like
+
+METHODS = ("ghost", "vmap")
+
+
+def _rows(batch) -> int:
+    sizes = {leaf.shape[0] for leaf in jax.tree_util.tree_leaves(batch)}
+    if len(sizes) != 1:
+        raise ValueError(f"every array of the batch needs the same number of rows, got {sorted(sizes)}")
+    return sizes.pop()
+
+
+def _spec(x):
+    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+
+
+def _keep_rows(x, keep):
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return x
+    return jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
+
+
+def _chunk(loss_fn, mechanism, method, params, batch, mask):
+    """(sums by leaf name, nonfinite count) of one chunk of rows."""
+    leaves = mechanism.leaves
+    named = named_leaves(params)
+    rows = mask.shape[0]
+    if method == "vmap":
+        grads = named_leaves(jax.vmap(jax.grad(one_example_loss(loss_fn)), in_axes=(None, 0))(
+            params, batch))
+        sites, fallback_grads, site_grads, acts = (), grads, {}, {}
+        sq = {leaf: jnp.sum(g.reshape(rows, -1) ** 2, axis=1) for leaf, g in grads.items()}
+    else:
+        example = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
+        plan = ghost.plan(loss_fn, jax.tree_util.tree_map(_spec, params), example)
+        fallback_grads, site_grads, acts = ghost.per_example_parts(plan, named, batch)
+        sq = {}
+        sites = []  # sites whose rule formed no per-example gradients: summed by book-keeping
+        for site in plan.sites:
+            sq_site, formed = ghost.site_norms_and_grads(
+                site, named[site.leaf], acts[site.index], site_grads[site.index])
+            sq[site.leaf] = sq_site
+            if formed is None:
+                sites.append(site)
+            else:
+                fallback_grads[site.leaf] = formed
+        sq.update({leaf: jnp.sum(g.reshape(rows, -1) ** 2, axis=1)
+                   for leaf, g in fallback_grads.items() if leaf not in sq})
+    dtype = jnp.result_type(jnp.float32, *[v.dtype for v in sq.values()])
+    zero = jnp.zeros((rows,), dtype)
+    sq_norms = jnp.stack([sq.get(leaf, zero).astype(dtype) for leaf in leaves], axis=1)
+    norms = aggregation.group_norms(sq_norms, mechanism, leaves)
+    factors = aggregation.clip_factors(norms, [g.clip for g in mechanism.groups], mask=mask,
+                                       on_nonfinite="drop")
+    finite = jnp.all(jnp.isfinite(norms), axis=1)
+    keep = jnp.logical_and(mask, finite)
+    nonfinite = jnp.sum(jnp.logical_and(mask, jnp.logical_not(finite)), dtype=jnp.int32)
+    group_of = {leaf: g for g, group in enumerate(mechanism.groups) for leaf in group.leaves}
+    sums = aggregation.clipped_sum(fallback_grads, factors, mechanism, list(fallback_grads),
+                                   zero_rows=jnp.logical_not(keep))
+    for site in sites:
+        sums[site.leaf] = ghost.site_weighted_sum(
+            site, named[site.leaf], [_keep_rows(a, keep) for a in acts[site.index]],
+            _keep_rows(site_grads[site.index], keep), factors[:, group_of[site.leaf]])
+    for leaf in leaves:  # leaves the loss does not read have gradient 0
+        if leaf not in sums:
+            sums[leaf] = jnp.zeros_like(named[leaf])
+    sums = {leaf: sums[leaf].astype(named[leaf].dtype) for leaf in leaves}
+    return sums, nonfinite
+
+
+def clipped_sums(loss_fn: Callable, mechanism: Mechanism, *, chunk_size: int | None = None,
+                 method: str = "ghost") -> Callable:
+    """A pure function ``(params, batch, mask) -> (sums, nonfinite)``: the clipped per-leaf
+    sums as a pytree like ``params`` and the number of real rows with a non-finite norm
+    (given weight 0). ``loss_fn(params, batch) -> (B,)`` is the per-record loss; ``mask``
+    (B,) bool marks real rows (None: all). ``method`` is ``"ghost"`` (norms and sums from
+    each leaf's operation, see :mod:`dpcore_jax.ghost`) or ``"vmap"`` (per-example
+    gradients of every leaf). With ``chunk_size``, B must be a multiple of it."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    if not isinstance(mechanism, Mechanism):
+        raise TypeError(f"mechanism must be a dpcore Mechanism, got {mechanism!r}")
+
+    def run(params, batch, mask=None):
+        mechanism.check_leaves(leaf_names(params))
+        rows = _rows(batch)
+        mask = jnp.ones((rows,), bool) if mask is None else jnp.asarray(mask, bool)
+        if mask.shape != (rows,):
+            raise ValueError(f"mask must have shape ({rows},) like the batch, got {mask.shape}")
+        if chunk_size is None or chunk_size >= rows:
+            sums, nonfinite = _chunk(loss_fn, mechanism, method, params, batch, mask)
+            return unflatten_like(params, sums), nonfinite
+        if rows % chunk_size:
+            raise ValueError(f"a batch of {rows} rows cannot be split into chunks of "
+                             f"{chunk_size}; pad it to a multiple (see dpcore_jax.batching)")
+        split = lambda a: a.reshape((rows // chunk_size, chunk_size) + a.shape[1:])  # noqa: E731
+
+        def body(carry, xs):
+            chunk_batch, chunk_mask = xs
+            sums, nonfinite = _chunk(loss_fn, mechanism, method, params, chunk_batch, chunk_mask)
+            total, count = carry
+            return ({leaf: total[leaf] + sums[leaf] for leaf in total}, count + nonfinite), None
+
+        init = ({leaf: jnp.zeros_like(a) for leaf, a in named_leaves(params).items()}, jnp.zeros((), jnp.int32))
+        (sums, nonfinite), _ = jax.lax.scan(
+            body, init, (jax.tree_util.tree_map(split, batch), split(mask)))
+        return unflatten_like(params, sums), nonfinite
+
+    return run
+
+
+def noisy_mean(sums, mechanism: Mechanism, key, expected_size: float):
+    """``(next_key, (sums + N(0, (alpha_j sigma~_g)^2 I)) / (q n))`` as a pytree like
+    ``sums``: one fresh draw per leaf, from ``key``."""
+    named = named_leaves(sums)
+    key, noisy = aggregation.add_noise(named, mechanism, key, standard_normal)
+    return key, unflatten_like(sums, aggregation.scale(noisy, expected_size))

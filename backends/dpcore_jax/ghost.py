@@ -1,0 +1,290 @@
+"""Per-example gradient norms and clipped sums without per-example gradients.
+
+For a per-example loss l_i(theta), let leaf W enter the computation through exactly one
+operation y = op(W, a) (a: the operation's other inputs, "activations"). By the chain rule the
+per-example gradient is the operation's VJP in W applied to the per-example output gradient
+g_i = dl_i/dy_i:
+
+    dl_i/dW = VJP_W op(., a_i) [g_i],   and   sum_i f_i dl_i/dW = VJP_W [op(., a_i)]_i [(f_i g_i)_i],
+
+the second being one ordinary backward step with cotangents scaled by the clip factors f_i
+(*book-keeping*). The g_i come from one batched backward pass in which a zero perturbation z is
+added to y (dl_i/dz = g_i), so no per-example gradient of W is formed. The per-example norm
+||dl_i/dW||^2 then depends on the operation:
+
+* ``dot_general`` with W's dimensions all contracted or free (dense layers, projections,
+  also over a sequence): with a_i reshaped to (P, C) (P positions) and g_i to (P, F),
+  dl_i/dW = a_i^T g_i, so ||dl_i/dW||^2 = sum_{p,p'} (a_i a_i^T)_{pp'} (g_i g_i^T)_{pp'}
+  (*ghost norm*, cost P^2 (C + F)), or ||a_i||^2 ||g_i||^2 when P = 1; when P C F is
+  smaller the product a_i^T g_i is formed instead;
+* ``gather`` of rows (embedding lookups E[ids]): the gradient scatters g_{i,p} into rows
+  ids_p, so ||dl_i/dE||^2 = sum_{p,p'} [ids_p = ids_p'] g_{i,p} . g_{i,p'};
+* anything else (convolutions, bias broadcasts, scales): the per-example VJP is formed under
+  ``vmap`` and squared, exactly (it is small or, for convolutions, what vmap(grad) forms).
+
+Leaves used more than once, or inside control flow or custom-derivative calls, are
+differentiated per example under ``vmap`` (the fallback). :func:`plan` finds the sites by
+tracing the one-example loss once; :func:`per_example_parts` evaluates the traced program with
+the perturbations under ``vmap``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Literal
+from jax.lax import GatherScatterMode
+
+from .backend import one_example_loss
+from .names import leaf_names
+
+# Call primitives whose body is evaluated inline (their semantics is "call this jaxpr").
+_INLINE = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr"}
+
+
+@dataclass(frozen=True)
+class Site:
+    """Leaf ``leaf`` enters the loss only as input ``position`` of the ``index``-th
+    operation (in evaluation order, calls inlined); ``out`` is its per-example output aval."""
+
+    leaf: str
+    index: int
+    position: int
+    eqn: object
+
+    @property
+    def out(self):
+        return self.eqn.outvars[0].aval
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The traced one-example loss, its leaves' sites and the leaves without one."""
+
+    closed: object
+    names: tuple[str, ...]
+    sites: tuple[Site, ...]
+    fallback: tuple[str, ...]
+
+    def site_at(self) -> dict[int, Site]:
+        return {s.index: s for s in self.sites}
+
+
+def _inner(eqn):
+    key = _INLINE.get(eqn.primitive.name)
+    return None if key is None else eqn.params[key]
+
+
+def plan(loss_fn: Callable, params, example) -> Plan:
+    """Trace ``loss_fn`` on one example and find, for every leaf of ``params``, the single
+    operation it enters (a site) or that it has none (used twice, inside control flow or a
+    custom derivative, or returned as it is)."""
+    names = tuple(leaf_names(params))
+    closed = jax.make_jaxpr(one_example_loss(loss_fn))(params, example)
+    uses: dict[str, list] = {name: [] for name in names}
+    counter = [0]
+
+    def walk(jaxpr, param_vars):
+        for eqn in jaxpr.eqns:
+            inner = _inner(eqn)
+            if inner is not None:
+                walk(inner.jaxpr, {iv: param_vars[v] for v, iv in zip(eqn.invars, inner.jaxpr.invars)
+                                   if not isinstance(v, Literal) and v in param_vars})
+                continue
+            index = counter[0]
+            counter[0] += 1
+            for position, v in enumerate(eqn.invars):
+                if not isinstance(v, Literal) and v in param_vars:
+                    uses[param_vars[v]].append((index, position, eqn))
+        for v in jaxpr.outvars:
+            if not isinstance(v, Literal) and v in param_vars:
+                uses[param_vars[v]].append(None)
+
+    walk(closed.jaxpr, dict(zip(closed.jaxpr.invars[:len(names)], names)))
+    sites, fallback = [], []
+    for name in names:
+        found = uses[name]
+        ok = (len(found) == 1 and found[0] is not None and _inner(found[0][2]) is None
+              and len(found[0][2].outvars) == 1 and not found[0][2].params.get("call_jaxpr")
+              and not found[0][2].params.get("jaxpr")
+              and jnp.issubdtype(found[0][2].outvars[0].aval.dtype, jnp.floating))
+        if ok:
+            index, position, eqn = found[0]
+            sites.append(Site(name, index, position, eqn))
+        elif found:
+            fallback.append(name)
+        # a leaf the loss never reads has gradient 0: neither a site nor a fallback
+    return Plan(closed, names, tuple(sites), tuple(fallback))
+
+
+def _bind(eqn, invals):
+    """Apply ``eqn``'s primitive to ``invals`` (as ``jax.core.eval_jaxpr`` does)."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns = ()
+    if isinstance(params, tuple):  # jax < 0.7 returns (subfuns, params)
+        subfuns, params = params
+    with eqn.ctx.manager:
+        return eqn.primitive.bind(*subfuns, *invals, **params)
+
+
+def evaluate(plan_: Plan, flat_params, example, perturbations: dict):
+    """The one-example loss from the traced program, adding ``perturbations[index]`` to the
+    output of each site; returns ``(loss, {index: the site's other inputs})``."""
+    sites = plan_.site_at()
+    captured: dict[int, list] = {}
+    counter = [0]
+
+    def run(jaxpr, consts, args):
+        env = {}
+
+        def read(v):
+            return v.val if isinstance(v, Literal) else env[v]
+
+        for v, x in zip(jaxpr.constvars, consts):
+            env[v] = x
+        for v, x in zip(jaxpr.invars, args):
+            env[v] = x
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            inner = _inner(eqn)
+            if inner is not None:
+                outs = run(inner.jaxpr, inner.consts, invals)
+            else:
+                index = counter[0]
+                counter[0] += 1
+                outs = _bind(eqn, invals)
+                outs = list(outs) if eqn.primitive.multiple_results else [outs]
+                if index in sites:
+                    site = sites[index]
+                    captured[index] = [x for p, x in enumerate(invals) if p != site.position]
+                    outs = [outs[0] + perturbations[index]]
+            for v, x in zip(eqn.outvars, outs):
+                env[v] = x
+        return [read(v) for v in jaxpr.outvars]
+
+    flat_example = jax.tree_util.tree_leaves(example)
+    (loss,) = run(plan_.closed.jaxpr, plan_.closed.consts, [*flat_params, *flat_example])
+    return loss, captured
+
+
+def per_example_parts(plan_: Plan, params: dict, batch):
+    """One batched forward and backward pass: ``(fallback_grads, site_grads, activations)``
+    where ``fallback_grads[leaf]`` is (B, *leaf) for fallback leaves, ``site_grads[index]``
+    the per-example output gradients g (B, *out) of each site and ``activations[index]`` the
+    site's other inputs, each (B, ...)."""
+    fallback = {name: params[name] for name in plan_.fallback}
+    zeros = {s.index: jnp.zeros(s.out.shape, s.out.dtype) for s in plan_.sites}
+
+    def loss(fallback_params, perturbations, example):
+        flat = [fallback_params.get(name, params[name]) for name in plan_.names]
+        return evaluate(plan_, flat, example, perturbations)
+
+    grad = jax.grad(loss, argnums=(0, 1), has_aux=True)
+    (fallback_grads, site_grads), activations = jax.vmap(grad, in_axes=(None, None, 0))(
+        fallback, zeros, batch)
+    return fallback_grads, site_grads, activations
+
+
+def _vjp_per_example(site: Site, weight, acts, g):
+    """The per-example gradients dl_i/dW (B, *W), formed (the generic rule)."""
+    def one(a, gi):
+        def op(w):
+            invals = list(a)
+            invals.insert(site.position, w)
+            return _bind(site.eqn, invals)
+        return jax.vjp(op, weight)[1](gi)[0]
+    return jax.vmap(one)(acts, g)
+
+
+def _dot_factors(site: Site, acts, g):
+    """For a dense ``dot_general`` site: a (B, P, C) and g (B, P, F) with dl_i/dW = a_i^T g_i
+    up to the layout of W, or None when W has dot batch dimensions."""
+    (lc, rc), (lb, rb) = site.eqn.params["dimension_numbers"]
+    if lb or rb:
+        return None
+    (a,) = acts
+    a_contract = list(lc if site.position == 1 else rc)
+    w_contract = list(rc if site.position == 1 else lc)
+    a_rank = a.ndim - 1
+    a_free = [d for d in range(a_rank) if d not in a_contract]
+    w_rank = site.eqn.invars[site.position].aval.ndim
+    n_w_free = w_rank - len(w_contract)
+    batch = a.shape[0]
+    size_p = math.prod(a.shape[1 + d] for d in a_free)
+    size_c = math.prod(a.shape[1 + d] for d in a_contract)
+    a2 = jnp.transpose(a, [0, *(1 + d for d in a_free), *(1 + d for d in a_contract)])
+    a2 = a2.reshape(batch, size_p, size_c)
+    if site.position == 1:  # out = (a free..., W free...)
+        g2 = g.reshape(batch, size_p, -1)
+    else:                   # out = (W free..., a free...)
+        order = [*range(1 + n_w_free, g.ndim), *range(1, 1 + n_w_free)]
+        g2 = jnp.transpose(g, [0, *order]).reshape(batch, size_p, -1)
+    return a2, g2
+
+
+def _dot_sq_norms(a, g):
+    _, p, c = a.shape
+    f = g.shape[2]
+    if p == 1:
+        return jnp.sum(a[:, 0] ** 2, axis=1) * jnp.sum(g[:, 0] ** 2, axis=1)
+    if p * p * (c + f) <= p * c * f:
+        return jnp.sum(jnp.einsum("bpc,bqc->bpq", a, a) * jnp.einsum("bpf,bqf->bpq", g, g),
+                       axis=(1, 2))
+    return jnp.sum(jnp.einsum("bpc,bpf->bcf", a, g) ** 2, axis=(1, 2))
+
+
+def _row_gather_ids(site: Site, acts):
+    """For ``gather`` of rows of W (V, d) (an embedding lookup): the looked-up row ids
+    (B, P), or None for other gathers."""
+    if site.eqn.primitive.name != "gather" or site.position != 0:
+        return None
+    params = site.eqn.params
+    dims = params["dimension_numbers"]
+    weight = site.eqn.invars[0].aval
+    if (weight.ndim != 2 or tuple(dims.collapsed_slice_dims) != (0,)
+            or tuple(dims.start_index_map) != (0,) or dims.operand_batching_dims
+            or tuple(params["slice_sizes"]) != (1, weight.shape[1])
+            or params["mode"] not in (GatherScatterMode.PROMISE_IN_BOUNDS,
+                                      GatherScatterMode.CLIP)):
+        return None
+    (indices,) = acts
+    if indices.shape[-1] != 1 or tuple(dims.offset_dims) != (indices.ndim - 1,):
+        return None
+    ids = jnp.clip(indices[..., 0], 0, weight.shape[0] - 1)
+    return ids.reshape(ids.shape[0], -1)
+
+
+def site_norms_and_grads(site: Site, weight, acts, g):
+    """``(||dl_i/dW||^2 (B,), dl_i/dW (B, *W) or None)`` of a site, by the cheapest exact rule
+    for its operation; the per-example gradients are returned when the rule formed them."""
+    batch = g.shape[0]
+    if site.eqn.primitive.name == "dot_general":
+        factors = _dot_factors(site, acts, g)
+        if factors is not None:
+            return _dot_sq_norms(*factors), None
+    ids = _row_gather_ids(site, acts)
+    if ids is not None:
+        rows = g.reshape(batch, ids.shape[1], -1)
+        same = (ids[:, :, None] == ids[:, None, :]).astype(rows.dtype)
+        return jnp.sum(same * jnp.einsum("bpd,bqd->bpq", rows, rows), axis=(1, 2)), None
+    per_example = _vjp_per_example(site, weight, acts, g)
+    return jnp.sum(per_example.reshape(batch, -1) ** 2, axis=1), per_example
+
+
+def site_weighted_sum(site: Site, weight, acts, g, weights):
+    """sum_i weights_i dl_i/dW: one backward step of the batched operation."""
+    batch = g.shape[0]
+
+    def op(w):
+        def one(*a):
+            invals = list(a)
+            invals.insert(site.position, w)
+            return _bind(site.eqn, invals)
+        return jax.vmap(one, axis_size=batch)(*acts)
+
+    cotangent = g * weights.reshape((batch,) + (1,) * (g.ndim - 1)).astype(g.dtype)
+    return jax.vjp(op, weight)[1](cotangent)[0]

@@ -1,0 +1,128 @@
+"""``private_grad``: the privatised mean gradient of one Poisson step, compiled, with the ledger
+written on the host.
+
+A call runs one ``jit``-compiled program (per padded batch shape): per-example norms, clip
+factors, clipped sums, N(0, (alpha_j sigma~_g)^2) noise from the aggregator's key and the
+division by q n (:mod:`dpcore_jax.clipping`). The program is dispatched asynchronously; before
+its result is handed back, the host writes (and flushes) the step's sum-query events, one per
+group of the mechanism the program was compiled with, so a released gradient always has its
+events in the ledger. With ``on_nonfinite="raise"`` the host first reads back the number of
+records whose norm was NaN/Inf and raises (releasing nothing) when it is not 0; ``"drop"``
+gives those records weight 0 and needs no read-back.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import jax
+
+from dpcore.aggregation import NonFiniteNormError
+from dpcore.ledger import SumQueryEvent
+
+from .backend import JaxBackend
+from .clipping import clipped_sums, noisy_mean
+
+
+def sum_query_events(mechanism) -> list[SumQueryEvent]:
+    return [SumQueryEvent(g.name, g.clip, g.noise_std) for g in mechanism.groups]
+
+
+def check_aggregator(aggregator) -> None:
+    """The aggregator must draw its noise keys from the JAX backend."""
+    if not isinstance(getattr(aggregator, "backend", None), JaxBackend):
+        raise TypeError(f"the aggregator's backend must be the JAX backend (its rng is a jax "
+                        f"key), got {getattr(aggregator, 'backend', aggregator)!r}; create it "
+                        f"with PrivateAggregator(..., backend='jax')")
+
+
+class _Compiled:
+    """What a compiled step was built for; a changed aggregator would make the ledger
+    disagree with the noise, so it is an error."""
+
+    def __init__(self, aggregator):
+        check_aggregator(aggregator)
+        self.aggregator = aggregator
+        self.mechanism = aggregator.mechanism
+        self.expected_size = aggregator.expected_size
+        self.events = sum_query_events(self.mechanism)
+
+    def check(self) -> None:
+        agg = self.aggregator
+        if agg.mechanism is not self.mechanism or agg.expected_size != self.expected_size:
+            raise RuntimeError("the aggregator's mechanism or q*n changed after this step was "
+                               "compiled; build a new one for the new mechanism")
+
+    def release(self, key, nonfinite) -> None:
+        """Host side of a step: advance the key, raise on non-finite norms (policy
+        ``"raise"``), write the step's sum-query events."""
+        self.aggregator.rng = key  # advanced even if nothing is released: no key is reused
+        if self.aggregator.on_nonfinite == "raise":
+            count = int(nonfinite)
+            if count:
+                raise NonFiniteNormError(
+                    f"{count} record(s) of this batch have a NaN or infinite gradient norm; "
+                    f"nothing was released. Fix the model or loss, or create the aggregator "
+                    f"with on_nonfinite='drop' to give such records weight 0")
+        self.aggregator.ledger.record_sum_queries(self.events)
+
+
+def private_mean_fn(loss_fn: Callable, mechanism, expected_size: float, *,
+                    chunk_size: int | None = None, method: str = "ghost") -> Callable:
+    """The pure step ``(params, batch, mask, key) -> (key, mean gradient, nonfinite)``."""
+    sums_fn = clipped_sums(loss_fn, mechanism, chunk_size=chunk_size, method=method)
+
+    def step(params, batch, mask, key):
+        sums, nonfinite = sums_fn(params, batch, mask)
+        key, mean = noisy_mean(sums, mechanism, key, expected_size)
+        return key, mean, nonfinite
+
+    return step
+
+
+class PrivateGrad:
+    """``grads = private_grad(params, batch, mask=None)``: the private average gradient of
+    ``loss_fn(params, batch) -> (B,)`` over the records of ``batch`` (rows where ``mask`` is
+    True), as a pytree like ``params``. The step's sampling event must already be in the
+    ledger (``aggregator.sample()``, or :class:`dpcore_jax.batching.PoissonBatches`)."""
+
+    def __init__(self, loss_fn: Callable, aggregator, *, chunk_size: int | None = None,
+                 method: str = "ghost"):
+        self._compiled = _Compiled(aggregator)
+        self.aggregator = aggregator
+        self._step = jax.jit(private_mean_fn(loss_fn, aggregator.mechanism,
+                                             aggregator.expected_size,
+                                             chunk_size=chunk_size, method=method))
+
+    def __call__(self, params, batch, mask=None):
+        self._compiled.check()
+        key, grads, nonfinite = self._step(params, batch, mask, self.aggregator.rng)
+        self._compiled.release(key, nonfinite)
+        return grads
+
+    def compiled_shapes(self) -> int:
+        """How many programs have been compiled (one per distinct batch shape and dtype)."""
+        return self._step._cache_size()
+
+
+def private_grad(loss_fn: Callable, aggregator, *, chunk_size: int | None = None,
+                 method: str = "ghost") -> PrivateGrad:
+    """A :class:`PrivateGrad` for ``loss_fn`` and ``aggregator`` (a
+    :class:`dpcore.PrivateAggregator` with ``backend="jax"``). ``chunk_size`` bounds memory
+    by processing that many records at a time; ``method`` is ``"ghost"`` or ``"vmap"``."""
+    return PrivateGrad(loss_fn, aggregator, chunk_size=chunk_size, method=method)
+
+
+_by_aggregator: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def private_grad_for(loss_fn: Callable, aggregator) -> PrivateGrad:
+    """The cached :class:`PrivateGrad` of (``loss_fn``, ``aggregator``), so that repeated
+    :meth:`JaxBackend.private_gradient` calls reuse one compiled program."""
+    table = _by_aggregator.setdefault(aggregator, {})
+    cached = table.get(loss_fn)
+    if cached is None or cached._compiled.mechanism is not aggregator.mechanism or (
+            cached._compiled.expected_size != aggregator.expected_size):
+        table[loss_fn] = PrivateGrad(loss_fn, aggregator)
+    return table[loss_fn]

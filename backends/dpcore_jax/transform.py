@@ -1,0 +1,122 @@
+"""The Gaussian sum query as an optax ``GradientTransformation``.
+
+:func:`private_aggregate` maps the *clipped sums* of a step (from
+:func:`dpcore_jax.clipping.clipped_sums`) to the private average
+
+    (sums_j + N(0, (alpha_j sigma~_g)^2 I)) / (q n),
+
+drawing the noise from a key carried in its state (split off the aggregator's key at
+``init``, which must run outside ``jit``). The step's sum-query events are written from inside
+the compiled program by an ordered ``io_callback`` whose (zero) result is added to the
+output, so the released average cannot exist before its events are in the ledger.
+
+With gradient accumulation a logical batch (one Poisson sample, one sampling event) is
+processed in k parts: :func:`private_optimizer` *adds* the k parts' clipped sums and, under a
+``lax.cond``, adds the noise, writes the events and runs the wrapped optimizer only on the
+k-th call, so all three happen once per logical batch. (``optax.MultiSteps`` would not do:
+it evaluates the wrapped update on every call, which would write the events k times.)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.experimental import io_callback
+
+from dpcore import _validation as check
+
+from .clipping import noisy_mean
+from .grad import check_aggregator, sum_query_events
+
+
+class PrivateAggregateState(NamedTuple):
+    key: jax.Array
+
+
+class PrivateOptimizerState(NamedTuple):
+    key: jax.Array
+    sums: object      # clipped sums of the logical batch so far
+    count: jax.Array  # parts seen so far
+    inner: object     # the wrapped optimizer's state
+
+
+def _release_fn(aggregator):
+    """``(sums, key) -> (key, private mean)``, writing the sum-query events from the
+    compiled program before the mean can exist."""
+    check_aggregator(aggregator)
+    mechanism = aggregator.mechanism
+    expected_size = aggregator.expected_size
+    events = sum_query_events(mechanism)
+
+    def record():
+        aggregator.ledger.record_sum_queries(events)
+        return np.zeros((), np.float32)
+
+    def release(sums, key):
+        key, mean = noisy_mean(sums, mechanism, key, expected_size)
+        written = io_callback(record, jax.ShapeDtypeStruct((), jnp.float32), ordered=True)
+        return key, jax.tree_util.tree_map(lambda x: x + written.astype(x.dtype), mean)
+
+    return release
+
+
+def _split_key(aggregator):
+    if isinstance(aggregator.rng, jax.core.Tracer):
+        raise RuntimeError("init must run outside jit: it splits the aggregator's key on the host")
+    aggregator.rng, key = jax.random.split(aggregator.rng)
+    return key
+
+
+def private_aggregate(aggregator) -> optax.GradientTransformation:
+    """Noise and division by q n of clipped sums, with the ledger written in the program."""
+    release = _release_fn(aggregator)
+
+    def init(params):
+        del params
+        return PrivateAggregateState(_split_key(aggregator))
+
+    def update(updates, state, params=None):
+        del params
+        key, mean = release(updates, state.key)
+        return mean, PrivateAggregateState(key)
+
+    return optax.GradientTransformation(init, update)
+
+
+def private_optimizer(optimizer: optax.GradientTransformation, aggregator, *,
+                      accumulation_steps: int = 1) -> optax.GradientTransformation:
+    """``optimizer`` applied to the private average of clipped sums. With
+    ``accumulation_steps=k`` the clipped sums of k consecutive calls (the parts of one
+    logical batch) are added; the k-th call adds the noise, writes the events and runs
+    ``optimizer``, the others return zero updates and leave ``optimizer``'s state alone."""
+    k = check.count("accumulation_steps", accumulation_steps, minimum=1)
+    if k == 1:
+        return optax.chain(private_aggregate(aggregator), optimizer)
+    release = _release_fn(aggregator)
+
+    def init(params):
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+        return PrivateOptimizerState(_split_key(aggregator), zeros, jnp.zeros((), jnp.int32),
+                                     optimizer.init(params))
+
+    def update(updates, state, params=None):
+        sums = jax.tree_util.tree_map(jnp.add, state.sums, updates)
+        count = state.count + 1
+
+        def emit():
+            key, mean = release(sums, state.key)
+            out, inner = optimizer.update(mean, state.inner, params)
+            zeros = jax.tree_util.tree_map(jnp.zeros_like, sums)
+            return out, PrivateOptimizerState(key, zeros, jnp.zeros((), jnp.int32), inner)
+
+        def hold():
+            out = jax.tree_util.tree_map(jnp.zeros_like, updates)
+            return out, PrivateOptimizerState(state.key, sums, count, state.inner)
+
+        return jax.lax.cond(count == k, emit, hold)
+
+    return optax.GradientTransformation(init, update)

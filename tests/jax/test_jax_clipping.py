@@ -1,0 +1,167 @@
+"""The compiled clipping kernel: clipped sums against a float64 oracle for every model and
+rule (ghost norms, book-keeping, vmap, chunks), groups and joint clipping, padding and
+non-finite records."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dpcore
+from dpcore_jax import ghost
+from dpcore_jax.backend import one_example_loss
+from dpcore_jax.clipping import clipped_sums
+from dpcore_jax.names import leaf_names, leaf_sizes, named_leaves
+
+import jax_models as models
+
+# float32 against float64 on values of order 1 (see test_jax_backend.F32_TOL); sums over a
+# few records and clip factors add a few roundings each.
+TOL = 2000 * 2.0 ** -24
+
+
+def mechanism_for(params, kind):
+    """Per-layer groups with clips small enough to clip, plus one joint group."""
+    sizes = leaf_sizes(params)
+    names = list(sizes)
+    joint, rest = names[:2], names[2:]
+    groups = [dpcore.Group("joint", tuple(joint), clip=0.4, noise_std=0.0, scales=(1.0, 3.0))]
+    if rest:
+        groups.append(dpcore.Group("rest", tuple(rest), clip=0.3, noise_std=0.0))
+    return dpcore.Mechanism(tuple(groups))
+
+
+def oracle_sums(per_example, mechanism, mask):
+    out = {}
+    for group in mechanism.groups:
+        sq = sum((per_example[leaf].reshape(len(mask), -1) ** 2).sum(1) / group.scale(leaf) ** 2
+                 for leaf in group.leaves)
+        factor = np.minimum(1.0, group.clip / np.sqrt(sq)) * mask
+        for leaf in group.leaves:
+            out[leaf] = np.tensordot(factor, per_example[leaf], axes=1)
+    return out
+
+
+def assert_close(actual, expected, what):
+    for leaf, value in expected.items():
+        np.testing.assert_allclose(actual[leaf], value, rtol=TOL,
+                                   atol=TOL * max(np.abs(value).max(), 1e-6), err_msg=f"{what} {leaf}")
+
+
+_ORACLES = {}
+
+
+def oracle(kind):
+    """Float64 per-example gradients of the batch of seed 2, computed once per model."""
+    if kind not in _ORACLES:
+        rng = np.random.default_rng(2)
+        loss_fn, params = models.model(rng, kind)
+        _ORACLES[kind] = models.float64_oracle(loss_fn, params, models.data(rng, kind, 8))
+    return _ORACLES[kind]
+
+
+CASES = ([(kind, "ghost", None) for kind in models.KINDS]
+         + [("cnn", "vmap", None), ("transformer", "vmap", None), ("tied", "vmap", None),
+            ("mlp", "ghost", 4), ("transformer", "ghost", 4)])
+
+
+@pytest.mark.parametrize("kind,method,chunk", CASES)
+def test_clipped_sums_match_the_float64_oracle(kind, method, chunk):
+    rng = np.random.default_rng(2)
+    loss_fn, params = models.model(rng, kind)
+    batch = models.data(rng, kind, 8)
+    mask = np.array([1, 1, 0, 1, 1, 1, 0, 1], bool)
+    mechanism = mechanism_for(params, kind)
+    sums, nonfinite = jax.jit(clipped_sums(loss_fn, mechanism, chunk_size=chunk, method=method))(
+        params, batch, mask)
+    assert int(nonfinite) == 0
+    assert jax.tree_util.tree_structure(sums) == jax.tree_util.tree_structure(params)
+    expected = oracle_sums(oracle(kind), mechanism, mask)
+    assert_close(named_leaves(sums), expected, f"{kind}/{method}/{chunk}")
+
+
+def test_ghost_plan_finds_one_site_per_leaf_and_falls_back_for_shared_weights():
+    rng = np.random.default_rng(3)
+    loss_fn, params = models.model(rng, "transformer")
+    example = jax.tree_util.tree_map(lambda a: a[0], models.data(rng, "transformer", 1))
+    plan = ghost.plan(loss_fn, params, example)
+    rules = {s.leaf: s.eqn.primitive.name for s in plan.sites}
+    assert rules == {"embed": "gather", "attn/qkv": "dot_general", "attn/out": "dot_general",
+                     "head/w": "dot_general", "head/b": "broadcast_in_dim",
+                     "norm/scale": "broadcast_in_dim", "norm/bias": "broadcast_in_dim"}
+    assert plan.fallback == ()
+    loss_fn, params = models.model(rng, "tied")
+    example = jax.tree_util.tree_map(lambda a: a[0], models.data(rng, "tied", 1))
+    plan = ghost.plan(loss_fn, params, example)
+    assert plan.fallback == ("w",) and [s.leaf for s in plan.sites] == ["v"]
+
+
+def test_ghost_norms_of_dense_sequences_and_embeddings_match_per_example_gradients():
+    """Both branches of the dense rule (Gram matrices and the formed product) and the
+    embedding rule against materialised per-example gradients."""
+    rng = np.random.default_rng(4)
+    # P = 6 positions: "wide" has P (C + F) = 480 <= C F = 1600 (Gram matrices),
+    # "narrow" P (C + F) = 246 > C F = 40 (the product a^T g is formed)
+    params = {"embed": jnp.asarray(rng.normal(size=(7, 40)) / 6, jnp.float32),
+              "wide": jnp.asarray(rng.normal(size=(40, 40)) / 6, jnp.float32),
+              "narrow": jnp.asarray(rng.normal(size=(40, 1)) / 6, jnp.float32)}
+
+    def loss(p, tokens):
+        h = jnp.tanh(p["embed"][tokens] @ p["wide"])  # tokens repeat within a record
+        return jnp.sum(h @ p["narrow"], axis=(1, 2))
+
+    tokens = rng.integers(0, 4, size=(5, 6))
+    mechanism = dpcore.per_layer(leaf_sizes(params), 1.0, 0.0)
+    sums, _ = jax.jit(clipped_sums(loss, mechanism))(params, tokens)
+    per_example = jax.vmap(jax.grad(one_example_loss(loss)), in_axes=(None, 0))(params, tokens)
+    expected = oracle_sums({k: np.asarray(v, np.float64) for k, v in per_example.items()},
+                           mechanism, np.ones(5))
+    assert_close(sums, expected, "sequence")
+
+
+def test_padded_rows_change_nothing_even_when_they_hold_nan():
+    rng = np.random.default_rng(5)
+    loss_fn, params = models.model(rng, "cnn")
+    x, y = models.data(rng, "cnn", 6)
+    mechanism = mechanism_for(params, "cnn")
+    run = jax.jit(clipped_sums(loss_fn, mechanism))
+    real, _ = run(params, (x, y), np.ones(6, bool))
+    x_pad = np.concatenate([x, np.full((4,) + x.shape[1:], np.nan, np.float32)])
+    y_pad = np.concatenate([y, np.zeros(4, y.dtype)])
+    padded, nonfinite = run(params, (x_pad, y_pad), np.arange(10) < 6)
+    assert int(nonfinite) == 0  # padded rows are not records: not counted
+    for a, b in zip(jax.tree_util.tree_leaves(real), jax.tree_util.tree_leaves(padded)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_nonfinite_records_get_weight_zero_and_are_counted():
+    rng = np.random.default_rng(6)
+    loss_fn, params = models.model(rng, "mlp")
+    x, y = models.data(rng, "mlp", 5)
+    mechanism = mechanism_for(params, "mlp")
+    run = jax.jit(clipped_sums(loss_fn, mechanism))
+    clean, _ = run(params, (x[:4], y[:4]))
+    x_bad = np.concatenate([x[:4], np.full((1, 6), np.inf, np.float32)])
+    dirty, nonfinite = run(params, (x_bad, y))
+    assert int(nonfinite) == 1
+    for a, b in zip(jax.tree_util.tree_leaves(clean), jax.tree_util.tree_leaves(dirty)):
+        assert np.all(np.isfinite(b))
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_bad_arguments_are_named():
+    rng = np.random.default_rng(7)
+    loss_fn, params = models.model(rng, "logistic")
+    batch = models.data(rng, "logistic", 6)
+    mechanism = dpcore.flat(["w"], 1.0, 0.0)
+    with pytest.raises(ValueError, match="leaves in no group: \\['b'\\]"):
+        clipped_sums(loss_fn, mechanism)(params, batch)
+    good = dpcore.flat(leaf_names(params), 1.0, 0.0)
+    with pytest.raises(ValueError, match="chunks of 4"):
+        clipped_sums(loss_fn, good, chunk_size=4)(params, batch)
+    with pytest.raises(ValueError, match="mask must have shape \\(6,\\)"):
+        clipped_sums(loss_fn, good)(params, batch, np.ones(5, bool))
+    with pytest.raises(ValueError, match="method must be one of"):
+        clipped_sums(loss_fn, good, method="fast")
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        clipped_sums(loss_fn, good, chunk_size=0)

@@ -1,0 +1,219 @@
+"""Private steps end to end: ledger before release, the noise the ledger states, noise once per
+logical batch under accumulation, the public denominator, bounded recompilation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dpcore
+from dpcore.aggregation import NonFiniteNormError
+from dpcore.ledger import SamplingEvent, SumQueryEvent
+from dpcore_jax import (Buckets, PoissonBatches, PrivateStep, clipped_sums, leaf_names,
+                        leaf_sizes, named_leaves, private_grad, private_optimizer, train)
+from dpcore_jax.batching import pad
+
+import jax_models as models
+
+
+def aggregator(mechanism, n, q, **kwargs):
+    return dpcore.PrivateAggregator(mechanism, n=n, q=q, backend="jax", **kwargs)
+
+
+def wide_model(rng):
+    """A linear model with a 20,000-entry weight, so one step gives many noise draws."""
+    params = {"w": jnp.asarray(rng.normal(size=(200, 100)) / 20, jnp.float32),
+              "b": jnp.zeros(100, jnp.float32)}
+
+    def loss(p, batch):
+        x, y = batch
+        return models.xent(x @ p["w"] + p["b"], y)
+
+    return loss, params
+
+
+def test_zero_noise_and_a_large_clip_give_the_non_private_mean_gradient():
+    rng = np.random.default_rng(0)
+    loss_fn, params = models.model(rng, "transformer")
+    batch = models.data(rng, "transformer", 16)
+    agg = aggregator(dpcore.flat(leaf_names(params), 1e6, 0.0), n=160, q=0.1, seed=0)
+    agg.sample()
+    grads = private_grad(loss_fn, agg)(params, batch)
+    expected = jax.grad(lambda p: jnp.mean(loss_fn(p, batch)))(params)  # q n = 16 = B
+    for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(expected)):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6 * float(jnp.abs(b).max()))
+
+
+def test_the_denominator_is_q_n_not_the_realised_size():
+    rng = np.random.default_rng(1)
+    loss_fn, params = models.model(rng, "logistic")
+    x, y = models.data(rng, "logistic", 10)
+    agg = aggregator(dpcore.flat(leaf_names(params), 1e6, 0.0), n=100, q=0.25, seed=0)
+    agg.sample()
+    batch, mask = pad((x, y), np.arange(10), 16)
+    grads = private_grad(loss_fn, agg)(params, batch, mask)
+    total = jax.grad(lambda p: jnp.sum(loss_fn(p, (x, y))))(params)
+    np.testing.assert_allclose(grads["w"], total["w"] / 25.0, rtol=2e-5)
+
+
+def test_noise_std_matches_the_ledger(tmp_path):
+    rng = np.random.default_rng(2)
+    loss_fn, params = wide_model(rng)
+    mechanism = dpcore.Mechanism((dpcore.Group("w", ("w",), clip=1.0, noise_std=2.0),
+                                  dpcore.Group("b", ("b",), clip=0.5, noise_std=1.5,
+                                               scales=(3.0,))))
+    agg = aggregator(mechanism, n=400, q=0.05, seed=11, ledger=tmp_path / "run.jsonl")
+    x = rng.normal(size=(400, 200)).astype(np.float32)
+    y = rng.integers(0, 100, size=400)
+    step = private_grad(loss_fn, agg)
+    sums_fn = jax.jit(clipped_sums(loss_fn, mechanism))
+    noise = {"w": [], "b": []}
+    for batch, mask in PoissonBatches((x, y), agg, steps=10):
+        grads = step(params, batch, mask)
+        sums, _ = sums_fn(params, batch, mask)
+        for leaf in noise:  # noise on the sum = released mean * q n - clipped sum
+            noise[leaf].append(np.ravel(grads[leaf] * agg.expected_size - sums[leaf]))
+    agg.ledger.close()
+    queries = {e.group: e for e in dpcore.read_ledger(tmp_path / "run.jsonl").events
+               if isinstance(e, SumQueryEvent)}
+    expected = {"w": queries["w"].noise_std, "b": 3.0 * queries["b"].noise_std}  # alpha sigma~
+    for leaf, std in expected.items():
+        draws = np.concatenate(noise[leaf])
+        # relative standard error of a sample std is 1/sqrt(2 N): 0.16% for "w" (N = 200,000),
+        # 2.2% for "b" (N = 1,000); tolerance 4.5 standard errors + 0.5% float32 slack, so a
+        # 10% error in the noise is caught on both leaves.
+        tol = 4.5 / np.sqrt(2 * draws.size) + 0.005
+        assert np.std(draws) == pytest.approx(std, rel=tol), leaf
+        assert abs(np.mean(draws)) < 5 * std / np.sqrt(draws.size)
+    first, second = noise["w"][0], noise["w"][1]
+    assert abs(np.corrcoef(first, second)[0, 1]) < 5 / np.sqrt(first.size)  # fresh every step
+
+
+def test_ledger_has_each_step_before_its_result_and_seeds_reproduce():
+    rng = np.random.default_rng(3)
+    loss_fn, params = models.model(rng, "mlp")
+    x, y = models.data(rng, "mlp", 200)
+
+    def run(seed):
+        agg = aggregator(dpcore.per_layer(leaf_sizes(params), 1.0, 1.0), n=200, q=0.1, seed=seed)
+        seen = []
+        out, _ = train(loss_fn, params, (x, y), agg, optax.sgd(0.1), steps=3,
+                       callback=lambda t, p: seen.append(len(agg.ledger.events)))
+        return agg, seen, out
+
+    agg, seen, out = run(4)
+    groups = len(agg.mechanism.groups)
+    assert seen == [(1 + groups) * (t + 1) for t in range(3)]
+    kinds = [type(e) for e in agg.ledger.events]
+    assert kinds == ([SamplingEvent] + [SumQueryEvent] * groups) * 3
+    assert agg.ledger.steps() == [dpcore.Step(0.1, pytest.approx(1.0), 3)]
+    _, _, again = run(4)
+    _, _, other = run(5)
+    for a, b, c in zip(*map(jax.tree_util.tree_leaves, (out, again, other))):
+        np.testing.assert_array_equal(a, b)
+        assert not np.allclose(a, c)
+
+
+def test_raise_policy_releases_nothing_and_drop_policy_continues():
+    rng = np.random.default_rng(4)
+    loss_fn, params = models.model(rng, "mlp")
+    x, y = models.data(rng, "mlp", 8)
+    x[3] = np.nan
+    for policy in ("raise", "drop"):
+        agg = aggregator(dpcore.flat(leaf_names(params), 1.0, 1.0), n=80, q=0.1, seed=0,
+                         on_nonfinite=policy)
+        agg.sample()
+        step = private_grad(loss_fn, agg)
+        if policy == "raise":
+            with pytest.raises(NonFiniteNormError, match="1 record"):
+                step(params, (x, y))
+            assert not any(isinstance(e, SumQueryEvent) for e in agg.ledger.events)
+        else:
+            grads = step(params, (x, y))
+            assert all(np.all(np.isfinite(g)) for g in jax.tree_util.tree_leaves(grads))
+            assert isinstance(agg.ledger.events[-1], SumQueryEvent)
+
+
+def test_optax_transformation_adds_noise_once_per_logical_batch():
+    rng = np.random.default_rng(5)
+    loss_fn, params = wide_model(rng)
+    mechanism = dpcore.flat(["b", "w"], 1.0, 3.0)
+    agg = aggregator(mechanism, n=400, q=0.1, seed=6)
+    x = rng.normal(size=(400, 200)).astype(np.float32)
+    y = rng.integers(0, 100, size=400)
+    k = 4
+    sums_fn = clipped_sums(loss_fn, mechanism)
+    opt = private_optimizer(optax.sgd(1.0), agg, accumulation_steps=k)
+    state = opt.init(params)
+
+    @jax.jit
+    def micro_step(params, state, batch, mask):
+        sums, _ = sums_fn(params, batch, mask)
+        updates, state = opt.update(sums, state, params)
+        return optax.apply_updates(params, updates), state, sums
+
+    noise = []
+    for parts in PoissonBatches((x, y), agg, splits=k, steps=3):
+        before, total = params, 0
+        for i, (batch, mask) in enumerate(parts):
+            params, state, sums = micro_step(params, state, batch, mask)
+            total = total + sums["w"]
+            moved = not np.array_equal(params["w"], before["w"])
+            assert moved == (i == k - 1), i  # only the k-th call releases
+        jax.block_until_ready(params)
+        # sgd(1): w_new = w - (total + noise) / (q n)
+        noise.append(np.ravel((before["w"] - params["w"]) * agg.expected_size - total))
+    draws = np.concatenate(noise)
+    # one draw of std 3 per logical batch; k draws would give std 3 sqrt(k) = 6 (N = 60,000)
+    assert np.std(draws) == pytest.approx(3.0, rel=0.03)
+    kinds = [type(e) for e in agg.ledger.events]
+    assert kinds == [SamplingEvent, SumQueryEvent] * 3
+
+
+def test_compiled_shapes_over_a_thousand_poisson_steps_stay_few():
+    rng = np.random.default_rng(7)
+    loss_fn, params = models.model(rng, "logistic")
+    n, q = 10_000, 0.0256  # q n = 256, std 15.8, granularity 8
+    x, y = models.data(rng, "logistic", n)
+    agg = aggregator(dpcore.flat(leaf_names(params), 1.0, 1.0), n=n, q=q, seed=8,
+                     on_nonfinite="drop")
+    step = PrivateStep(loss_fn, optax.sgd(0.1), agg)
+    state = step.init(params)
+    batches = PoissonBatches((x, y), agg, steps=1000)
+    sizes = set()
+    for batch, mask in batches:
+        sizes.add(len(mask))
+        params, state = step(params, state, batch, mask)
+    print(f"\n1000 Poisson steps (q n = 256): {step.compiled_shapes()} compiled shapes, "
+          f"buckets {sorted(sizes)}")
+    assert step.compiled_shapes() == len(sizes) <= 20
+    assert batches.buckets.granularity == 8
+    assert len(agg.ledger.events) == 2000
+
+
+def test_buckets():
+    buckets = Buckets(256.0, 0.0256)
+    assert buckets.granularity == 8
+    assert [buckets.size_for(r) for r in (0, 1, 8, 9, 256, 257)] == [8, 8, 8, 16, 256, 264]
+    assert Buckets(256.0, granularity=5, multiple_of=4).granularity == 8
+    with pytest.raises(ValueError, match="expected_size must be finite and > 0"):
+        Buckets(0.0)
+
+
+def test_backend_private_gradient_is_the_fused_step_and_writes_the_ledger():
+    rng = np.random.default_rng(9)
+    loss_fn, params = models.model(rng, "logistic")
+    x, y = models.data(rng, "logistic", 12)
+    backend = dpcore.get_backend("jax")
+    agg = aggregator(dpcore.flat(["b", "w"], 0.5, 0.0), n=120, q=0.1, seed=0)
+    agg.sample()
+    mask = np.arange(12) < 10
+    grads = backend.private_gradient(loss_fn, params, (x, y), agg, mask=mask)
+    per_example = models.logistic_oracle(params, x, y)
+    norms = np.sqrt(per_example["w"] ** 2 @ np.ones(5) + per_example["b"] ** 2)
+    factor = np.minimum(1.0, 0.5 / norms) * mask
+    np.testing.assert_allclose(grads["w"], factor @ per_example["w"] / 12.0, rtol=1e-5)
+    assert [type(e) for e in agg.ledger.events] == [SamplingEvent, SumQueryEvent]
+    with pytest.raises(TypeError, match="backend must be the JAX backend"):
+        private_grad(loss_fn, dpcore.PrivateAggregator(agg.mechanism, n=10, q=0.5))
