@@ -1,0 +1,132 @@
+"""The TensorFlow implementation of the dpcore backend contract (DESIGN.md section 4).
+
+* Arrays are ``tf.Tensor``; :func:`namespace` is the Array-API-flavoured namespace of
+  :mod:`.namespace` (array-api-compat has none for TensorFlow).
+* Noise comes from a ``tf.random.Generator`` (Philox): seeded for tests, otherwise its whole
+  state (128-bit counter, 64-bit key) is read from ``os.urandom``.
+* Per-example gradients are vectorized (:mod:`.vectorized`) inside a ``tf.function``.
+* :meth:`TensorFlowBackend.private_gradient` runs per-example gradients, the clip factors and
+  the clipped sums in one compiled function (the kernels of :mod:`.kernels`), then writes the
+  step's sum queries to the ledger, adds the noise and divides by q n
+  (:meth:`dpcore.PrivateAggregator.release_sums`).
+
+Keras models have faster paths (ghost norms and book-keeping): see :mod:`.keras_model` and
+:mod:`.step`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Mapping
+
+import numpy as np
+import tensorflow as tf
+
+from dpcore.aggregation import NonFiniteNormError
+from dpcore.backend import GHOST_NORMS, JIT, PER_EXAMPLE_GRADS, Backend
+
+from . import vectorized
+from .kernels import GroupClipper, clips_of
+from .namespace import namespace
+
+
+def new_generator(seed: int | None = None) -> tf.random.Generator:
+    """A Philox generator: from ``seed``, or with its whole state from ``os.urandom``."""
+    if seed is not None:
+        return tf.random.Generator.from_seed(int(seed))
+    state = np.frombuffer(os.urandom(24), dtype=np.int64).copy()
+    return tf.random.Generator.from_state(state, alg="philox")
+
+
+class TensorFlowBackend(Backend):
+    """dpcore backend for TensorFlow tensors. ``jit_compile`` compiles the per-example
+    gradients of :meth:`per_example_grads` and :meth:`private_gradient` with XLA."""
+
+    name = "tensorflow"
+    version = tf.__version__
+    capabilities = frozenset({PER_EXAMPLE_GRADS, GHOST_NORMS, JIT})
+
+    def __init__(self, *, jit_compile: bool = False):
+        self.jit_compile = bool(jit_compile)
+        self._compiled: dict = {}  # loss_fn -> {key: tf.function}
+
+    def namespace(self):
+        return namespace
+
+    def asarray(self, x, dtype=None):
+        return tf.convert_to_tensor(np.asarray(x), dtype=dtype)
+
+    def to_numpy(self, x):
+        if isinstance(x, (tf.Tensor, tf.Variable)):
+            return np.array(x.numpy(), copy=True)
+        return np.array(x, copy=True)
+
+    def rng(self, seed=None):
+        return new_generator(seed)
+
+    def standard_normal(self, rng, shape, like):
+        """N(0, 1) of ``shape`` from generator ``rng``: a tensor of ``like``'s float dtype, or a
+        NumPy array when ``like`` is one (the core ran that step on NumPy)."""
+        if isinstance(like, np.ndarray):
+            dtype = like.dtype if np.issubdtype(like.dtype, np.floating) else np.float64
+            return rng, rng.normal(tuple(shape), dtype=tf.as_dtype(dtype)).numpy()
+        dtype = like.dtype if like.dtype.is_floating else tf.float32
+        return rng, rng.normal(tuple(shape), dtype=dtype)
+
+    # -- per-example gradients -------------------------------------------------------------
+    @staticmethod
+    def _params(params: Mapping) -> tuple[list[str], list[tf.Tensor]]:
+        names = list(params)
+        if not names:
+            raise ValueError("params is empty; expected a mapping name -> array")
+        return names, [tf.convert_to_tensor(params[k]) for k in names]
+
+    def _function(self, key, loss_fn, build: Callable):
+        per_loss = self._compiled.setdefault(loss_fn, {})
+        if key not in per_loss:
+            per_loss[key] = tf.function(build, reduce_retracing=True, jit_compile=self.jit_compile)
+        return per_loss[key]
+
+    def per_example_grads(self, loss_fn, params, batch) -> dict:
+        names, values = self._params(params)
+        batch = tf.nest.map_structure(tf.convert_to_tensor, batch)
+        if vectorized.batch_size(batch) == 0:
+            return {k: tf.zeros((0, *v.shape), v.dtype) for k, v in zip(names, values)}
+        fn = self._function(("grads", tuple(names)), loss_fn,
+                            lambda v, b: vectorized.per_example_grads(loss_fn, names, v, b))
+        return dict(zip(names, fn(values, batch)))
+
+    def per_example_sq_norms(self, loss_fn, params, batch):
+        grads = self.per_example_grads(loss_fn, params, batch)
+        return vectorized.sq_norms(list(grads.values()))
+
+    def private_gradient(self, loss_fn, params, batch, aggregator, *, mask=None) -> dict:
+        """Clipped sums in one compiled function, then ledger, noise and division by q n on
+        the host through ``aggregator.release_sums`` (sum-query events written first)."""
+        names, values = self._params(params)
+        aggregator.mechanism.check_leaves(names)
+        batch = tf.nest.map_structure(tf.convert_to_tensor, batch)
+        size = vectorized.batch_size(batch)
+        if size == 0:
+            return aggregator.release_sums({k: tf.zeros_like(v) for k, v in zip(names, values)})
+        mask = (tf.ones([size], tf.bool) if mask is None
+                else tf.cast(tf.reshape(tf.convert_to_tensor(mask), [size]), tf.bool))
+        mechanism = aggregator.mechanism
+        clipper = GroupClipper(mechanism, names)
+
+        def clipped(values, batch, clips, mask):
+            grads = vectorized.per_example_grads(loss_fn, names, values, batch)
+            factors, bad = clipper.factors(vectorized.sq_norms(grads), clips, mask)
+            weights = [clipper.leaf_factors(factors)[k] for k in names]
+            return vectorized.weighted_sum(grads, weights), factors, bad
+
+        fn = self._function(("private", tuple(names), clipper.structure), loss_fn, clipped)
+        sums, factors, bad = fn(values, batch, tf.constant(clips_of(mechanism), tf.float64), mask)
+        if aggregator.on_nonfinite == "raise" and bool(tf.reduce_any(bad)):
+            rows = np.flatnonzero(bad.numpy()).tolist()
+            raise NonFiniteNormError(
+                f"records {rows[:10]}{' ...' if len(rows) > 10 else ''} have a NaN or infinite "
+                f"gradient norm; fix the model or loss, or use on_nonfinite='drop' to give them "
+                f"weight 0")
+        return aggregator.release_sums(dict(zip(names, sums)), factors=factors.numpy(),
+                                       mask=mask.numpy())

@@ -1,0 +1,149 @@
+"""Per-example gradient norms and clipped sums of a Keras model in one forward and one
+backward pass (ghost norms + book-keeping), with a vectorized fallback.
+
+For per-example losses l_i, padded rows masked out (m_i = 0), the step differentiates the
+single scalar L = sum_i m_i l_i. Because no layer mixes examples, dL/dz_i = m_i dl_i/dz_i for
+every tapped layer's pre-activation output z, so one backward pass gives every record's
+output gradients; :mod:`.layer_grads` turns them and the saved inputs into per-example squared
+norms and, once the clip factors c_i are known, into the clipped sums sum_i c_i grad_i.
+Variables of layers without a tap get per-example gradients from the same tape by a
+vectorized Jacobian of (m_i l_i)_i (pfor), then the same norms and sums.
+
+``mode="vectorized"`` skips the taps and computes every per-example gradient with
+``tf.vectorized_map`` over the model applied to one example at a time (the reference the
+tests compare the ghost path with).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import keras
+import tensorflow as tf
+
+from . import layer_grads as lg
+from . import layer_taps
+from .kernels import GroupClipper
+
+MODES = ("auto", "ghost", "materialise", "vectorized")
+
+
+class FallbackWarning(UserWarning):
+    """Some layers' per-example gradients take the vectorized fallback (slower)."""
+
+
+def leaf_names(model: keras.layers.Layer) -> list[str]:
+    """Leaf names of the model's trainable variables (their Keras paths), checked unique."""
+    names = [v.path for v in model.trainable_variables]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"trainable variables share the paths {repeated}; give the layers "
+                         f"unique names so every leaf has its own name")
+    return names
+
+
+class ClippedGradients:
+    """Clip factors and clipped sums of ``model``'s per-example gradients (see module doc).
+
+    ``mode``: ``"auto"`` (per layer, ghost norm or materialised, whichever costs less),
+    ``"ghost"``, ``"materialise"`` (force one kind for every tapped kernel) or
+    ``"vectorized"`` (no taps)."""
+
+    def __init__(self, model: keras.layers.Layer, mode: str = "auto"):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        layer_taps.check_per_example(model)
+        self.model, self.mode = model, mode
+        self.names = leaf_names(model)
+        self.variables = list(model.trainable_variables)
+        self.plan: dict[int, tuple] = {}
+        if mode != "vectorized":
+            for layer in model._flatten_layers(include_self=True, recursive=True):
+                tap = layer_taps.tap_for(layer)
+                if tap is not None:
+                    self.plan[id(layer)] = (layer, tap)
+        covered = {v.path for layer, tap in self.plan.values() for v in tap.variables(layer)}
+        self.fallback = ([] if mode == "vectorized"
+                         else [v for v in self.variables if v.path not in covered])
+        if self.fallback:
+            warnings.warn(f"per-example gradients of {[v.path for v in self.fallback]} take "
+                          f"the vectorized fallback (no tap for their layers); expect a slower "
+                          f"step", FallbackWarning, stacklevel=3)
+
+    def _forward(self, x, y, loss_fn):
+        outputs = self.model(x, training=True)
+        losses = loss_fn(y, outputs)
+        if losses.shape.rank != 1:
+            raise ValueError(f"the per-example loss must have shape (B,), got shape "
+                             f"{tuple(losses.shape)}; reduce every axis but the first")
+        return losses, outputs
+
+    def _grad_objects(self, x, y, loss_fn: Callable, mask: tf.Tensor):
+        """Forward pass under the taps and one backward pass: ({path: gradient object},
+        losses (B,), model outputs)."""
+        with tf.GradientTape(persistent=bool(self.fallback)) as tape:
+            recorder = layer_taps.Recorder(tape)
+            with layer_taps.tapped(self.plan, recorder):
+                losses, outputs = self._forward(x, y, loss_fn)
+            masked = tf.where(mask, losses, tf.zeros_like(losses))
+            total = tf.reduce_sum(masked)
+        taps = [(key, z) for key, saves in recorder.saved.items() for _, z in saves]
+        grads = tape.gradient(total, [z for _, z in taps],
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        by_layer: dict[int, list] = {}
+        for (key, _), g in zip(taps, grads):
+            by_layer.setdefault(key, []).append(g)
+        objects = {}
+        kernel_mode = self.mode if self.mode in lg.MODES else "auto"
+        for key, (layer, tap) in self.plan.items():
+            if key in recorder.saved:
+                saved = [s for s, _ in recorder.saved[key]]
+                objects.update(tap.grads(layer, saved, by_layer[key], kernel_mode))
+        if self.fallback:
+            jac = tape.jacobian(masked, self.fallback, experimental_use_pfor=True,
+                                unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            for v, rows in zip(self.fallback, jac):
+                objects[v.path] = lg.Materialised(rows, v.shape)
+        batch = tf.shape(losses)[0]
+        for v in self.variables:  # tapped layers the forward pass did not reach
+            if v.path not in objects:
+                objects[v.path] = lg.Materialised(tf.zeros((batch, *v.shape), v.dtype), v.shape)
+        return objects, losses, outputs
+
+    def _vectorized_objects(self, x, y, loss_fn: Callable, mask: tf.Tensor):
+        """Every variable's per-example gradients by the model on one example at a time."""
+        def one(example):
+            xi, yi = tf.nest.map_structure(lambda t: t[None], example)
+            with tf.GradientTape() as tape:
+                loss = self._forward(xi, yi, loss_fn)[0][0]
+            return tape.gradient(loss, self.variables,
+                                 unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+        grads = tf.vectorized_map(one, (x, y))
+        losses, outputs = self._forward(x, y, loss_fn)
+        return ({v.path: lg.Materialised(g, v.shape) for v, g in zip(self.variables, grads)},
+                losses, outputs)
+
+    def _objects(self, x, y, loss_fn, mask):
+        mask = (tf.ones([tf.shape(tf.nest.flatten(x)[0])[0]], tf.bool) if mask is None
+                else tf.cast(mask, tf.bool))
+        if self.mode == "vectorized":
+            return (*self._vectorized_objects(x, y, loss_fn, mask), mask)
+        return (*self._grad_objects(x, y, loss_fn, mask), mask)
+
+    def per_example_grads(self, x, y, loss_fn: Callable, mask=None) -> dict:
+        """{path: (B, *shape)}: per-example gradients of ``loss_fn(y, model(x)) -> (B,)``
+        for tests and inspection (the DP step never forms them all)."""
+        objects, _, _, _ = self._objects(x, y, loss_fn, mask)
+        return {name: objects[name].per_example() for name in self.names}
+
+    def clipped_sums(self, x, y, loss_fn: Callable, clipper: GroupClipper, mask=None):
+        """``(sums {path: tensor}, nonfinite (B,), losses (B,), outputs)``: sum_i c_i grad_i
+        with c the clip factors of ``clipper`` (0 for masked-out and non-finite rows)."""
+        objects, losses, outputs, mask = self._objects(x, y, loss_fn, mask)
+        sq_norms = tf.stack([objects[leaf].sq_norms() for leaf in clipper.leaves], axis=1)
+        factors, bad = clipper.factors(sq_norms, mask)
+        weights = clipper.leaf_factors(factors)
+        sums = {leaf: objects[leaf].weighted_sum(weights[leaf]) for leaf in clipper.leaves}
+        return sums, bad, losses, outputs

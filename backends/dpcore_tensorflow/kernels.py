@@ -1,0 +1,91 @@
+"""The core's aggregation steps 2-6 (see :mod:`dpcore.aggregation`) as TensorFlow ops, so a
+whole DP step runs inside one ``tf.function`` (and XLA) without a round trip through NumPy.
+
+For B records, L leaves in a fixed order and G groups of a :class:`dpcore.Mechanism`:
+
+* ``norms[i, g] = sqrt(sum_j sq_norms[i, j] W[j, g])`` with ``W[j, g] = 1 / alpha_j^2`` for the
+  leaves j of group g (:func:`dpcore.aggregation.group_weights`, computed once on the host);
+* ``factors[i, g] = S_g / max(norms[i, g], S_g) = min(1, S_g / norms[i, g])``, and 0 for padded
+  rows (``mask`` false) and for records whose norms are not finite;
+* ``mean[j] = (sums[j] + alpha_j sigma~_g N(0, I)) / (q n)``.
+
+The formulas are the core's; the tests compare both on the same inputs. Clips and noise
+standard deviations enter as tensors, so clips that move from step to step (schedules,
+adaptive clipping) reuse one compiled step; only the partition into groups and the scales
+alpha_j are fixed (:func:`structure`).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import tensorflow as tf
+
+from dpcore.aggregation import group_weights, leaf_noise_stds
+from dpcore.queries import Mechanism
+
+
+def structure(mechanism: Mechanism) -> tuple:
+    """What a compiled step depends on: the groups' names, leaves and scales (not the clips
+    or the noise)."""
+    return tuple((g.name, g.leaves, g.scales) for g in mechanism.groups)
+
+
+def clips_of(mechanism: Mechanism) -> list[float]:
+    """S_g, group by group."""
+    return [g.clip for g in mechanism.groups]
+
+
+def leaf_stds_of(mechanism: Mechanism, leaves: Sequence[str]) -> list[float]:
+    """alpha_j sigma~_g for every leaf, in ``leaves`` order."""
+    stds = leaf_noise_stds(mechanism)
+    return [stds[leaf] for leaf in leaves]
+
+
+class GroupClipper:
+    """Clip factors for the groups of ``mechanism``, per-leaf squared norms in ``leaves`` order."""
+
+    def __init__(self, mechanism: Mechanism, leaves: Sequence[str]):
+        mechanism.check_leaves(leaves)
+        self.structure = structure(mechanism)
+        self.leaves = tuple(leaves)
+        self._weights = group_weights(mechanism, self.leaves)
+        group_index = {leaf: g for g, group in enumerate(mechanism.groups) for leaf in group.leaves}
+        #: column of ``factors`` that scales each leaf
+        self.column = {leaf: group_index[leaf] for leaf in self.leaves}
+
+    def factors(self, sq_norms: tf.Tensor, clips: tf.Tensor, mask: tf.Tensor | None = None):
+        """``(factors (B, G), nonfinite (B,) bool)`` for clips S_g (G,); non-finite rows among
+        the real (masked-in) records are reported in ``nonfinite`` and get factor 0."""
+        dtype = sq_norms.dtype
+        finite = tf.reduce_all(tf.math.is_finite(sq_norms), axis=1)
+        safe = tf.where(finite[:, None], sq_norms, tf.zeros_like(sq_norms))
+        norms = tf.sqrt(tf.matmul(safe, tf.constant(self._weights, dtype=dtype)))
+        finite = tf.logical_and(finite, tf.reduce_all(tf.math.is_finite(norms), axis=1))
+        clips = tf.cast(clips, dtype)
+        factors = clips / tf.maximum(tf.where(finite[:, None], norms, tf.zeros_like(norms)), clips)
+        real = tf.ones_like(finite) if mask is None else tf.cast(mask, tf.bool)
+        keep = tf.logical_and(finite, real)
+        factors = tf.where(keep[:, None], factors, tf.zeros_like(factors))
+        return factors, tf.logical_and(tf.logical_not(finite), real)
+
+    def leaf_factors(self, factors: tf.Tensor) -> dict[str, tf.Tensor]:
+        """The (B,) factor that scales each leaf's per-record values."""
+        return {leaf: factors[:, g] for leaf, g in self.column.items()}
+
+
+def noisy_mean(sums: Mapping[str, tf.Tensor], leaves: Sequence[str], stds: tf.Tensor,
+               generator: tf.random.Generator, expected_size: float) -> dict[str, tf.Tensor]:
+    """``(sums[j] + stds[j] N(0, I)) / (q n)`` for the ``leaves`` (stds in that order, from
+    :func:`leaf_stds_of`), noise from ``generator``, in graph.
+
+    The caller must have written the step's sum-query events to the ledger before the result
+    of the function that runs this is released."""
+    if not expected_size > 0:
+        raise ValueError(f"expected number of records q*n must be > 0, got {expected_size!r}")
+    out = {}
+    for j, leaf in enumerate(leaves):
+        total = sums[leaf]
+        noise = generator.normal(tf.shape(total), dtype=total.dtype)
+        out[leaf] = (total + tf.cast(stds[j], total.dtype) * noise) / expected_size
+    return out

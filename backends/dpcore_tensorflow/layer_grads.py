@@ -1,0 +1,159 @@
+"""Per-example gradient norms and clipped sums of one layer from what its forward pass saved.
+
+A layer whose pre-activation output is z = f(a, theta) saves its input in a canonical form
+and receives g = dL/dz from the step's single backward pass. With examples i, positions t
+(sequence steps, pixels, tokens; T of them), inputs a_it in R^{d_in} and output gradients
+g_it in R^{d_out}, the kernel's per-example gradient of a dense-like layer is
+
+    G_i = sum_t a_it g_it^T                                  (d_in x d_out)
+
+and its squared norm can be had two ways (mixed ghost clipping picks the cheaper per layer):
+
+* **ghost norm**: ||G_i||_F^2 = sum_{t,s} (a_it . a_is)(g_it . g_is), cost ~ T^2 (d_in + d_out)
+  per example and no d_in x d_out tensor (for T = 1 simply ||a_i||^2 ||g_i||^2);
+* **materialised**: form G_i, cost ~ T d_in d_out per example and B d_in d_out memory.
+
+The clipped sum is **book-keeping**: sum_i c_i G_i = sum_{i,t} a_it (c_i g_it)^T, i.e. the
+layer's ordinary weight gradient with the output gradients rescaled by the clip factors c_i,
+so no second backward pass is needed. Biases get sum_t g_it (B x d_out, always cheap).
+Embeddings (ids k_it): G_i = sum_t e_{k_it} g_it^T, whose ghost norm is
+sum_{t,s} [k_it = k_is] (g_it . g_is). LayerNormalization (normalised input xhat): the scale's
+gradient is sum_t xhat_it * g_it and the offset's sum_t g_it.
+"""
+
+from __future__ import annotations
+
+import string
+
+import tensorflow as tf
+
+
+MODES = ("auto", "ghost", "materialise")
+
+
+def ghost_is_cheaper(positions: int | None, d_in: int, d_out: int) -> bool:
+    """Whether the ghost norm (T^2 (d_in + d_out)) costs less than materialising
+    (T d_in d_out) for one example; an unknown T counts as expensive for ghost norms."""
+    if positions is None:
+        return False
+    return positions * positions * (d_in + d_out) < positions * d_in * d_out
+
+
+def _keep(weights: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
+    return tf.reshape(weights > 0, [-1] + [1] * (like.shape.rank - 1))
+
+
+def scaled(g: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
+    """c_i g_i, exactly 0 for rows with c_i = 0 (padded or dropped records, whose g may hold
+    NaN: 0 * NaN is NaN)."""
+    c = tf.reshape(tf.cast(weights, g.dtype), [-1] + [1] * (g.shape.rank - 1))
+    return tf.where(_keep(weights, g), g * c, tf.zeros_like(g))
+
+
+def weighted_rows(per_example: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
+    """sum_i c_i P_i for materialised per-example values P (B, ...)."""
+    safe = tf.where(_keep(weights, per_example), per_example, tf.zeros_like(per_example))
+    return tf.tensordot(tf.cast(weights, per_example.dtype), safe, axes=1)
+
+
+def row_sq_norms(per_example: tf.Tensor) -> tf.Tensor:
+    """(B,) squared norms of the rows of (B, ...)."""
+    return tf.reduce_sum(tf.reshape(tf.square(per_example), [tf.shape(per_example)[0], -1]), 1)
+
+
+class Materialised:
+    """A parameter whose per-example gradients (B, *shape) are cheap to form (biases,
+    normalisation scales and offsets)."""
+
+    def __init__(self, per_example: tf.Tensor, shape):
+        self.shape = tuple(shape)
+        self._rows = per_example
+
+    def sq_norms(self) -> tf.Tensor:
+        return row_sq_norms(self._rows)
+
+    def weighted_sum(self, weights: tf.Tensor) -> tf.Tensor:
+        return tf.reshape(weighted_rows(self._rows, weights), self.shape)
+
+    def per_example(self) -> tf.Tensor:
+        return tf.reshape(self._rows, (-1, *self.shape))
+
+
+class DenseKernel:
+    """The kernel of a layer seen as a (B, T, d_in) -> (B, T, d_out) matmul (Dense, EinsumDense,
+    Conv on patches). Its d_in x d_out gradient is reshaped to ``shape`` and then transposed
+    by ``perm`` (EinsumDense kernels whose axes are not in (contracted, output) order).
+    ``mode``: ``"ghost"``, ``"materialise"`` or ``"auto"`` (the cheaper, :func:`ghost_is_cheaper`)."""
+
+    def __init__(self, a: tf.Tensor, g: tf.Tensor, shape, *, perm=None, mode: str = "auto"):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.a, self.g, self.shape, self.perm = a, g, tuple(shape), perm
+        self.ghost = (mode == "ghost" or mode == "auto"
+                      and ghost_is_cheaper(a.shape[1], a.shape[2], g.shape[2]))
+        self._rows = None if self.ghost else tf.einsum("bti,bto->bio", a, g)
+
+    def _arrange(self, kernel: tf.Tensor, batched: bool) -> tf.Tensor:
+        kernel = tf.reshape(kernel, ((-1,) if batched else ()) + self.shape)
+        if self.perm is None:
+            return kernel
+        return tf.transpose(kernel, ([0] + [p + 1 for p in self.perm]) if batched else self.perm)
+
+    def sq_norms(self) -> tf.Tensor:
+        if not self.ghost:
+            return row_sq_norms(self._rows)
+        if self.a.shape[1] == 1:
+            return (tf.reduce_sum(tf.square(self.a), axis=[1, 2])
+                    * tf.reduce_sum(tf.square(self.g), axis=[1, 2]))
+        aa = tf.matmul(self.a, self.a, transpose_b=True)
+        gg = tf.matmul(self.g, self.g, transpose_b=True)
+        return tf.reduce_sum(aa * gg, axis=[1, 2])
+
+    def weighted_sum(self, weights: tf.Tensor) -> tf.Tensor:
+        if self._rows is not None:
+            return self._arrange(weighted_rows(self._rows, weights), False)
+        return self._arrange(tf.einsum("bti,bto->io", self.a, scaled(self.g, weights)), False)
+
+    def per_example(self) -> tf.Tensor:
+        rows = self._rows if self._rows is not None else tf.einsum("bti,bto->bio", self.a, self.g)
+        return self._arrange(rows, True)
+
+
+class EmbeddingTable:
+    """Embedding table (V x d) from ids (B, T) and output gradients (B, T, d); ``"auto"`` takes
+    the ghost norm when T^2 < V (else the dense (B, V, d) per-example gradients)."""
+
+    def __init__(self, ids: tf.Tensor, g: tf.Tensor, vocabulary: int, *, mode: str = "auto"):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.ids, self.g, self.vocabulary = tf.cast(ids, tf.int32), g, vocabulary
+        positions = ids.shape[1]
+        self.ghost = mode == "ghost" or (mode == "auto" and positions is not None
+                                         and positions * positions < vocabulary)
+
+    def per_example(self) -> tf.Tensor:
+        batch, width = tf.shape(self.g)[0], self.g.shape[2]
+        rows = self.ids + self.vocabulary * tf.range(batch)[:, None]
+        flat = tf.math.unsorted_segment_sum(tf.reshape(self.g, [-1, width]),
+                                            tf.reshape(rows, [-1]), batch * self.vocabulary)
+        return tf.reshape(flat, [batch, self.vocabulary, width])
+
+    def sq_norms(self) -> tf.Tensor:
+        if not self.ghost:
+            return row_sq_norms(self.per_example())
+        same = tf.equal(self.ids[:, :, None], self.ids[:, None, :])
+        gg = tf.matmul(self.g, self.g, transpose_b=True)
+        return tf.reduce_sum(tf.where(same, gg, tf.zeros_like(gg)), axis=[1, 2])
+
+    def weighted_sum(self, weights: tf.Tensor) -> tf.Tensor:
+        width = self.g.shape[2]
+        return tf.math.unsorted_segment_sum(tf.reshape(scaled(self.g, weights), [-1, width]),
+                                            tf.reshape(self.ids, [-1]), self.vocabulary)
+
+
+def einsum_letters(count: int, avoid: str) -> str:
+    """``count`` letters not in ``avoid`` (to spell out an einsum ellipsis)."""
+    free = [c for c in string.ascii_letters if c not in avoid]
+    if count > len(free):
+        raise ValueError(f"cannot spell an einsum ellipsis of {count} axes")
+    return "".join(free[:count])

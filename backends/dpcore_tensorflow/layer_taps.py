@@ -1,0 +1,335 @@
+"""Taps on Keras layers: during the DP step's forward pass, supported layers save what
+:mod:`.layer_grads` needs (their input in canonical form) and expose their pre-activation
+output z to the tape, so one backward pass yields g = dL/dz for every tapped layer.
+
+A tap replaces ``layer.call`` (the instance attribute, for the duration of one trace) by a
+function computing the same output with the same Keras ops, plus the record. Supported:
+``Dense``, ``EinsumDense`` (batch axis first, every axis a batch, position, contracted or
+output axis), ``Conv1D``/``Conv2D`` (``groups=1``), ``Embedding``, ``LayerNormalization``
+(normalised axes trailing). Subclasses that override ``call``, LoRA and quantized layers are
+not tapped: their variables take the vectorized fallback. A layer called several times
+contributes all its calls, concatenated along the position axis (sum_t covers every call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable
+
+import keras
+import tensorflow as tf
+from keras import layers, ops
+
+from . import layer_grads as lg
+
+
+class CrossExampleLayerError(ValueError):
+    """A layer mixes examples of a batch, so per-example gradients are not defined."""
+
+
+def check_per_example(model: keras.layers.Layer) -> None:
+    """Raise :class:`CrossExampleLayerError` for a BatchNormalization layer that trains."""
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        if isinstance(layer, layers.BatchNormalization) and layer.trainable:
+            raise CrossExampleLayerError(
+                f"layer {layer.name!r} (BatchNormalization) normalises with statistics of the "
+                f"whole batch, so an example's gradient depends on the other examples and "
+                f"clipping it bounds nothing. Replace it with LayerNormalization or "
+                f"GroupNormalization, or freeze it (layer.trainable = False runs it in "
+                f"inference mode with fixed statistics).")
+
+
+def _rows(x: tf.Tensor, width: int) -> tf.Tensor:
+    """(B, ..., width) -> (B, T, width), with T static when the middle axes are."""
+    middle = x.shape[1:-1]
+    positions = math.prod(middle) if all(d is not None for d in middle) else -1
+    return tf.reshape(x, [tf.shape(x)[0], positions, width])
+
+
+def _activate(layer, z):
+    return layer.activation(z) if layer.activation is not None else z
+
+
+class Recorder:
+    """What the tapped layers saved during one forward pass, by layer."""
+
+    def __init__(self, tape: tf.GradientTape):
+        self.tape = tape
+        self.saved: dict[int, list[tuple[object, tf.Tensor]]] = {}
+
+    def add(self, layer, saved, z: tf.Tensor) -> tf.Tensor:
+        self.tape.watch(z)
+        self.saved.setdefault(id(layer), []).append((saved, z))
+        return z
+
+
+def _plain(layer, cls) -> bool:
+    return (type(layer).call is cls.call and not getattr(layer, "lora_enabled", False)
+            and getattr(layer, "quantization_mode", None) is None)
+
+
+class _Tap:
+    cls: type
+
+    def accepts(self, layer) -> bool:
+        return isinstance(layer, self.cls) and _plain(layer, self.cls)
+
+    def variables(self, layer) -> list:
+        """The layer's trainable variables this tap computes gradients for."""
+        raise NotImplementedError
+
+    def call(self, layer, recorder: Recorder) -> Callable:
+        raise NotImplementedError
+
+    def grads(self, layer, saved: list, gs: list, mode: str) -> dict:
+        """{variable path: gradient object} from the saved inputs and output gradients."""
+        raise NotImplementedError
+
+
+def _trainable(*variables):
+    return [v for v in variables if v is not None and v.trainable]
+
+
+class DenseTap(_Tap):
+    cls = layers.Dense
+
+    def variables(self, layer):
+        return _trainable(layer.kernel, layer.bias)
+
+    def call(self, layer, recorder):
+        def call(inputs, training=None):
+            z = ops.matmul(inputs, layer.kernel)
+            if layer.bias is not None:
+                z = ops.add(z, layer.bias)
+            return _activate(layer, recorder.add(layer, inputs, z))
+        return call
+
+    def grads(self, layer, saved, gs, mode):
+        d_in, d_out = layer.kernel.shape
+        a = tf.concat([_rows(x, d_in) for x in saved], axis=1)
+        g = tf.concat([_rows(gz, d_out) for gz in gs], axis=1)
+        out = {}
+        if layer.kernel.trainable:
+            out[layer.kernel.path] = lg.DenseKernel(a, g, layer.kernel.shape, mode=mode)
+        if layer.bias is not None and layer.bias.trainable:
+            out[layer.bias.path] = lg.Materialised(tf.reduce_sum(g, axis=1), layer.bias.shape)
+        return out
+
+
+class EinsumDenseTap(_Tap):
+    """``x[b, T..., C...] kernel[C..., O...] -> z[b, T..., O...]`` in any axis order."""
+
+    cls = layers.EinsumDense
+
+    @staticmethod
+    def _specs(layer, rank: int | None):
+        """Input, kernel and output specs, an ellipsis spelled out for inputs of ``rank``
+        (``None``: as one axis, enough to classify the axes)."""
+        inputs, output = layer.equation.split("->")
+        x_spec, k_spec = inputs.split(",")
+        if "..." in x_spec:
+            count = 1 if rank is None else rank - len(x_spec.replace("...", ""))
+            letters = lg.einsum_letters(count, layer.equation)
+            x_spec, output = x_spec.replace("...", letters), output.replace("...", letters)
+        return x_spec, k_spec, output
+
+    @staticmethod
+    def _structure(x_spec, k_spec, out):
+        """(batch, positions, contracted, outputs) letters, or None if the equation has
+        another form (e.g. a kernel axis shared with the batch or position axes)."""
+        if "..." in k_spec or not x_spec or x_spec[0] != out[0] or x_spec[0] in k_spec:
+            return None
+        batch = x_spec[0]
+        positions = "".join(c for c in x_spec[1:] if c in out and c not in k_spec)
+        contracted = "".join(c for c in k_spec if c in x_spec and c not in out)
+        outputs = "".join(c for c in k_spec if c in out and c not in x_spec)
+        if (set(k_spec) != set(contracted + outputs)
+                or set(out) != set(batch + positions + outputs)):
+            return None
+        return batch, positions, contracted, outputs
+
+    def accepts(self, layer):
+        if not super().accepts(layer):
+            return False
+        return self._structure(*self._specs(layer, None)) is not None
+
+    def variables(self, layer):
+        return _trainable(layer.kernel, layer.bias)
+
+    def call(self, layer, recorder):
+        def call(inputs, training=None):
+            z = ops.einsum(layer.equation, inputs, layer.kernel)
+            if layer.bias is not None:
+                z = ops.add(z, layer.bias)
+            return _activate(layer, recorder.add(layer, inputs, z))
+        return call
+
+    def grads(self, layer, saved, gs, mode):
+        x_spec, k_spec, out = self._specs(layer, saved[0].shape.rank)
+        batch, positions, contracted, outputs = self._structure(x_spec, k_spec, out)
+        size = dict(zip(k_spec, layer.kernel.shape))
+        d_in = math.prod(size[c] for c in contracted)
+        d_out = math.prod(size[c] for c in outputs)
+        a = tf.concat([tf.reshape(tf.einsum(f"{x_spec}->{batch}{positions}{contracted}", x),
+                                  [tf.shape(x)[0], -1, d_in]) for x in saved], axis=1)
+        g = tf.concat([tf.reshape(tf.einsum(f"{out}->{batch}{positions}{outputs}", gz),
+                                  [tf.shape(gz)[0], -1, d_out]) for gz in gs], axis=1)
+        result = {}
+        if layer.kernel.trainable:
+            order = contracted + outputs
+            result[layer.kernel.path] = lg.DenseKernel(
+                a, g, [size[c] for c in order], perm=[order.index(c) for c in k_spec], mode=mode)
+        if layer.bias is not None and layer.bias.trainable:
+            bias_letters = out[len(out) - len(layer.bias.shape):]
+            kept = "".join(c for c, d in zip(bias_letters, layer.bias.shape) if d != 1)
+            rows = tf.add_n([tf.einsum(f"{out}->{batch}{kept}", gz) for gz in gs])
+            result[layer.bias.path] = lg.Materialised(rows, layer.bias.shape)
+        return result
+
+
+class ConvTap(_Tap):
+    """Conv1D/Conv2D as a matmul of image patches (B, T = output pixels, k_h k_w C_in) with the
+    kernel reshaped to (k_h k_w C_in, C_out); patches are extracted in the norm computation,
+    not in the forward pass."""
+
+    cls = (layers.Conv1D, layers.Conv2D)
+
+    def accepts(self, layer):
+        return (isinstance(layer, self.cls) and _plain(layer, type(layer))
+                and type(layer) in (layers.Conv1D, layers.Conv2D) and layer.groups == 1)
+
+    def variables(self, layer):
+        return _trainable(layer.kernel, layer.bias)
+
+    @staticmethod
+    def _channels_last(layer, x):
+        if layer.data_format == "channels_last":
+            return x
+        return tf.transpose(x, [0] + list(range(2, x.shape.rank)) + [1])
+
+    def call(self, layer, recorder):
+        def call(inputs):
+            padding = layer.padding
+            if padding == "causal":
+                inputs = ops.pad(inputs, layer._compute_causal_padding())
+                padding = "valid"
+            z = ops.conv(inputs, layer.kernel, strides=list(layer.strides), padding=padding,
+                         dilation_rate=layer.dilation_rate, data_format=layer.data_format)
+            if layer.use_bias:
+                shape = ((1,) * (layer.rank + 1) + (layer.filters,)
+                         if layer.data_format == "channels_last"
+                         else (1, layer.filters) + (1,) * layer.rank)
+                z = ops.add(z, ops.reshape(layer.bias, shape))
+            return _activate(layer, recorder.add(layer, (inputs, padding), z))
+        return call
+
+    def _patches(self, layer, x, padding):
+        x = self._channels_last(layer, x)
+        sizes, strides, rates = layer.kernel_size, layer.strides, layer.dilation_rate
+        if layer.rank == 1:
+            x, sizes, strides, rates = x[:, None], (1, *sizes), (1, *strides), (1, *rates)
+        patches = tf.image.extract_patches(x, sizes=[1, *sizes, 1], strides=[1, *strides, 1],
+                                           rates=[1, *rates, 1], padding=padding.upper())
+        return _rows(patches, patches.shape[-1])
+
+    def grads(self, layer, saved, gs, mode):
+        a = tf.concat([self._patches(layer, x, padding) for x, padding in saved], axis=1)
+        g = tf.concat([_rows(self._channels_last(layer, gz), layer.filters) for gz in gs], axis=1)
+        out = {}
+        if layer.kernel.trainable:
+            out[layer.kernel.path] = lg.DenseKernel(a, g, layer.kernel.shape, mode=mode)
+        if layer.use_bias and layer.bias.trainable:
+            out[layer.bias.path] = lg.Materialised(tf.reduce_sum(g, axis=1), layer.bias.shape)
+        return out
+
+
+class EmbeddingTap(_Tap):
+    cls = layers.Embedding
+
+    def variables(self, layer):
+        return _trainable(layer.embeddings)
+
+    def call(self, layer, recorder):
+        def call(inputs):
+            ids = inputs if inputs.dtype in ("int32", "int64") else ops.cast(inputs, "int32")
+            z = ops.cast(ops.take(layer.embeddings, ids, axis=0), layer.compute_dtype)
+            return recorder.add(layer, ids, z)
+        return call
+
+    def grads(self, layer, saved, gs, mode):
+        ids = tf.concat([tf.reshape(i, [tf.shape(i)[0], -1]) for i in saved], axis=1)
+        g = tf.concat([_rows(gz, layer.output_dim) for gz in gs], axis=1)
+        table = layer.embeddings
+        return {table.path: lg.EmbeddingTable(ids, g, layer.input_dim, mode=mode)}
+
+
+class LayerNormalizationTap(_Tap):
+    """y = xhat * gamma + beta with xhat = (x - mean) / sqrt(var + eps) over the normalised
+    (trailing) axes; with ``rms_scaling`` Keras uses xhat = x / sqrt(var + eps) and no beta."""
+
+    cls = layers.LayerNormalization
+
+    def variables(self, layer):
+        return _trainable(layer.gamma, layer.beta)
+
+    @staticmethod
+    def _axes(layer, rank):
+        axes = sorted(a % rank for a in ([layer.axis] if isinstance(layer.axis, int)
+                                         else layer.axis))
+        if axes != list(range(rank - len(axes), rank)):
+            raise ValueError(f"layer {layer.name!r}: LayerNormalization over axes {layer.axis} "
+                             f"of rank-{rank} inputs; DP clipping supports trailing axes only "
+                             f"(e.g. axis=-1); use clipping='vectorized' for this model")
+        return axes
+
+    def call(self, layer, recorder):
+        def call(inputs):
+            x = ops.cast(inputs, "float32") if inputs.dtype in ("float16", "bfloat16") else inputs
+            axes = self._axes(layer, x.shape.rank)
+            mean, var = tf.nn.moments(x, axes=axes, keepdims=True)
+            inv = tf.math.rsqrt(var + layer.epsilon)
+            xhat = x * inv if layer.rms_scaling else (x - mean) * inv
+            y = xhat if layer.gamma is None else xhat * tf.cast(
+                tf.reshape(layer.gamma, x.shape[axes[0]:]), x.dtype)
+            if layer.beta is not None and not layer.rms_scaling:
+                y = y + tf.cast(tf.reshape(layer.beta, x.shape[axes[0]:]), x.dtype)
+            return ops.cast(recorder.add(layer, (xhat, len(axes)), y), layer.compute_dtype)
+        return call
+
+    def grads(self, layer, saved, gs, mode):
+        width = math.prod((layer.gamma if layer.gamma is not None else layer.beta).shape)
+        xhat = tf.concat([_rows(x, width) for x, _ in saved], axis=1)
+        g = tf.concat([_rows(gz, width) for gz in gs], axis=1)
+        out = {}
+        if layer.gamma is not None and layer.gamma.trainable:
+            out[layer.gamma.path] = lg.Materialised(tf.reduce_sum(xhat * g, axis=1),
+                                                    layer.gamma.shape)
+        if layer.beta is not None and layer.beta.trainable:
+            offset = tf.reduce_sum(g, axis=1)  # rms_scaling ignores beta: its gradient is 0
+            out[layer.beta.path] = lg.Materialised(
+                tf.zeros_like(offset) if layer.rms_scaling else offset, layer.beta.shape)
+        return out
+
+
+TAPS = (DenseTap(), EinsumDenseTap(), ConvTap(), EmbeddingTap(), LayerNormalizationTap())
+
+
+def tap_for(layer) -> _Tap | None:
+    """The tap of a supported layer that owns trainable variables, else None."""
+    for tap in TAPS:
+        if tap.accepts(layer) and tap.variables(layer):
+            return tap
+    return None
+
+
+@contextlib.contextmanager
+def tapped(plan: dict, recorder: Recorder):
+    """Replace ``call`` of every layer in ``plan`` (layer id -> (layer, tap)) for the block."""
+    try:
+        for layer, tap in plan.values():
+            layer.__dict__["call"] = tap.call(layer, recorder)
+        yield recorder
+    finally:
+        for layer, _ in plan.values():
+            layer.__dict__.pop("call", None)

@@ -1,0 +1,162 @@
+"""Per-example gradients of every supported layer against a float64 one-example-at-a-time
+oracle, in every mode (ghost norms, materialised, vectorized), and the fallback."""
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+from dpcore_tensorflow.bookkeeping import ClippedGradients, FallbackWarning  # noqa: E402
+from dpcore_tensorflow.layer_taps import CrossExampleLayerError  # noqa: E402
+
+L = keras.layers
+B = 5
+
+
+def mse(y, out):
+    return tf.reduce_mean(tf.reshape(tf.square(out - y), [tf.shape(out)[0], -1]), axis=1)
+
+
+def sparse_ce(y, out):
+    logits = tf.reshape(out, [tf.shape(out)[0], -1, out.shape[-1]])
+    ce = tf.nn.sparse_softmax_cross_entropy_with_logits(tf.reshape(y, [tf.shape(y)[0], -1]),
+                                                        logits)
+    return tf.reduce_sum(ce, axis=1)
+
+
+def _model(layers, input_shape, dtype="int32" if False else "float64"):
+    inputs = keras.Input(input_shape, dtype=dtype)
+    x = inputs
+    for layer in layers:
+        x = layer(x)
+    return keras.Model(inputs, x)
+
+
+def f64(layer_cls, *args, **kwargs):
+    return layer_cls(*args, dtype="float64", **kwargs)
+
+
+def cases():
+    rng = np.random.default_rng(0)
+    seq = rng.normal(size=(B, 6, 4))
+    img = rng.normal(size=(B, 7, 6, 2))
+    ids = rng.integers(0, 9, size=(B, 6)).astype("int32")
+    ids[0, :3] = 2  # repeated tokens in one example
+    return {
+        "dense_2d": (lambda: _model([f64(L.Dense, 5, activation="tanh"), f64(L.Dense, 3)], (4,)),
+                     rng.normal(size=(B, 4)), rng.normal(size=(B, 3)), mse),
+        "dense_3d": (lambda: _model([f64(L.Dense, 5, activation="relu"), f64(L.Dense, 3)], (6, 4)),
+                     seq, rng.normal(size=(B, 6, 3)), mse),
+        "einsum_dense": (lambda: _model([
+            f64(L.EinsumDense, "abc,cde->abde", output_shape=(6, 2, 3), bias_axes="de",
+                activation="tanh"),
+            f64(L.EinsumDense, "abde,deo->abo", output_shape=(6, 3), bias_axes="o"),
+            f64(L.EinsumDense, "...o,ok->...k", output_shape=(2,), bias_axes="k")], (6, 4)),
+            seq, rng.normal(size=(B, 6, 2)), mse),
+        "conv2d": (lambda: _model([
+            f64(L.Conv2D, 3, (3, 2), activation="tanh"),
+            f64(L.Conv2D, 2, 3, strides=2, padding="same"),
+            f64(L.Conv2D, 2, 2, dilation_rate=2, padding="same"),
+            L.Flatten(dtype="float64"), f64(L.Dense, 3)], (7, 6, 2)),
+            img, rng.normal(size=(B, 3)), mse),
+        "conv1d": (lambda: _model([
+            f64(L.Conv1D, 3, 3, padding="causal", dilation_rate=2, activation="tanh"),
+            f64(L.Conv1D, 2, 2, strides=2), L.Flatten(dtype="float64"), f64(L.Dense, 2)], (6, 4)),
+            seq, rng.normal(size=(B, 2)), mse),
+        "embedding_layernorm": (lambda: _model([
+            f64(L.Embedding, 9, 4), f64(L.LayerNormalization), f64(L.Dense, 5)], (6,), "int32"),
+            ids, rng.integers(0, 5, size=(B, 6)), sparse_ce),
+        "layernorm_rms": (lambda: _model([
+            f64(L.LayerNormalization, rms_scaling=True), f64(L.Dense, 2)], (6, 4)),
+            seq, rng.normal(size=(B, 6, 2)), mse),
+    }
+
+
+def oracle(model, x, y, loss_fn):
+    """One example at a time: grad of loss_fn on a batch of one, float64."""
+    rows = []
+    for i in range(x.shape[0]):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(tf.constant(y[i:i + 1]), model(tf.constant(x[i:i + 1]), training=True))[0]
+        rows.append([tf.convert_to_tensor(g).numpy()
+                     for g in tape.gradient(loss, model.trainable_variables)])
+    return {v.path: np.stack([r[j] for r in rows]) for j, v in enumerate(model.trainable_variables)}
+
+
+def _model_for(case):
+    build = cases()[case][0]
+    keras.utils.set_random_seed(1)
+    return build()
+
+
+@pytest.mark.parametrize("mode", ["auto", "ghost", "materialise", "vectorized"])
+@pytest.mark.parametrize("case", list(cases()))
+def test_per_example_grads_match_oracle(case, mode):
+    _, x, y, loss_fn = cases()[case]
+    model = _model_for(case)
+    expected = oracle(model, x, y, loss_fn)
+    engine = ClippedGradients(model, mode)
+    assert not engine.fallback
+    got = engine.per_example_grads(tf.constant(x), tf.constant(y), loss_fn)
+    assert set(got) == set(expected)
+    for name in expected:
+        np.testing.assert_allclose(got[name].numpy(), expected[name], rtol=1e-9, atol=1e-11,
+                                   err_msg=f"{case}/{mode}: {name}")
+
+
+@pytest.mark.parametrize("case", ["dense_3d", "conv2d", "embedding_layernorm"])
+def test_ghost_norms_equal_materialised_norms(case):
+    _, x, y, loss_fn = cases()[case]
+    model = _model_for(case)
+    norms = {}
+    for mode in ("ghost", "materialise"):
+        engine = ClippedGradients(model, mode)
+        objects, *_ = engine._grad_objects(tf.constant(x), tf.constant(y), loss_fn,
+                                           tf.ones([B], tf.bool))
+        norms[mode] = {k: o.sq_norms().numpy() for k, o in objects.items()}
+    for name in norms["ghost"]:
+        np.testing.assert_allclose(norms["ghost"][name], norms["materialise"][name], rtol=1e-10)
+
+
+class Scale(L.Layer):
+    """A layer with no tap: its variable takes the vectorized fallback."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1],), initializer="ones", dtype="float64")
+
+    def call(self, x):
+        return tf.tanh(x * self.w)
+
+
+def test_untapped_layer_takes_the_vectorized_fallback():
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(B, 4)), rng.normal(size=(B, 2))
+    keras.utils.set_random_seed(2)
+    model = _model([f64(L.Dense, 4), Scale(dtype="float64"), f64(L.Dense, 2)], (4,))
+    with pytest.warns(FallbackWarning, match="scale"):
+        engine = ClippedGradients(model, "auto")
+    got = engine.per_example_grads(tf.constant(x), tf.constant(y), mse)
+    expected = oracle(model, x, y, mse)
+    for name in expected:
+        np.testing.assert_allclose(got[name].numpy(), expected[name], rtol=1e-9, atol=1e-12)
+
+
+def test_shared_layer_sums_its_calls():
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(B, 3)), rng.normal(size=(B, 3))
+    keras.utils.set_random_seed(3)
+    shared = f64(L.Dense, 3, activation="tanh")
+    inputs = keras.Input((3,), dtype="float64")
+    model = keras.Model(inputs, shared(shared(inputs)))
+    got = ClippedGradients(model, "ghost").per_example_grads(tf.constant(x), tf.constant(y), mse)
+    for name, rows in oracle(model, x, y, mse).items():
+        np.testing.assert_allclose(got[name].numpy(), rows, rtol=1e-9, atol=1e-12)
+
+
+def test_batch_normalization_is_rejected_with_a_fix():
+    model = _model([f64(L.Dense, 3), L.BatchNormalization(dtype="float64")], (4,))
+    with pytest.raises(CrossExampleLayerError, match="LayerNormalization.*trainable = False"):
+        ClippedGradients(model)
+    model.layers[-1].trainable = False
+    ClippedGradients(model)  # frozen: inference mode, per-example
