@@ -60,7 +60,7 @@ class Encoder(nn.Module):
         self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, classes)
 
     def forward(self, k):
-        pos = torch.arange(k.shape[1], device=k.device).expand_as(k)
+        pos = torch.arange(k.shape[1], device=k.device).repeat(k.shape[0], 1)
         h = self.blocks(self.tokens(k) + self.positions(pos))
         return self.head(self.norm(h).mean(1))
 

@@ -15,9 +15,10 @@ Memory: each (workload, mode) runs in a fresh subprocess that builds the model, 
 batch, records its resident set size (RSS, /proc/self/statm), runs the steps and reads the
 process's peak RSS (getrusage ru_maxrss). Peak memory of a step = peak RSS - RSS before the
 first step: it counts every allocation of the step (activations, backprops, per-example
-gradients, noise), including torch's and the allocator's. Large tensors are mmap'ed by glibc and
-returned on free, so the peak follows live memory; small allocations may be cached, which
-inflates all modes alike by a little.
+gradients, noise), including torch's and the allocator's. The child runs with
+MALLOC_MMAP_THRESHOLD_=65536, so glibc maps every block above 64 KiB separately and returns it
+on free (by default the threshold grows with freed blocks and RSS keeps freed memory), and RSS
+follows live memory; small allocations may stay cached, which inflates all modes alike a little.
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def peak_memory(name: str, mode: str, steps: int = 3) -> int:
 
 def memory_in_subprocess(name: str, mode: str) -> int | None:
     cmd = [sys.executable, __file__, "--memory-child", name, mode]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode:
         print(f"  memory of {name}/{mode} failed: {out.stderr.strip().splitlines()[-1]}")
         return None

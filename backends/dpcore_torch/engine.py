@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .fallback import FallbackUnit, replaying
-from .layers import RULES, Rule
+from .layers import PREFERENCES, RULES, Rule
 
 MODES = ("auto", "vmap")
 REDUCTIONS = ("mean", "sum")
@@ -89,11 +89,17 @@ class PerExampleEngine:
     """Per-example norms and clipped sums of ``module``'s trainable parameters.
 
     ``mode="auto"`` uses the layer rules and falls back to ``torch.func`` per module;
-    ``mode="vmap"`` treats the whole model as one ``torch.func`` unit. Call :meth:`clear` (the
+    ``mode="vmap"`` treats the whole model as one ``torch.func`` unit. ``prefer`` ("memory" or
+    "time") chooses between ghost norms and materialised gradients per layer
+    (:func:`dpcore_torch.layers.use_ghost`). Call :meth:`clear` (the
     private optimizer does) between steps, :meth:`detach` to restore the module.
     """
 
-    def __init__(self, module: nn.Module, *, mode: str = "auto", loss_reduction: str = "mean"):
+    def __init__(self, module: nn.Module, *, mode: str = "auto", loss_reduction: str = "mean",
+                 prefer: str = "memory"):
+        if prefer not in PREFERENCES:
+            raise ValueError(f"prefer must be one of {PREFERENCES}, got {prefer!r}")
+        self.prefer = prefer
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if loss_reduction not in REDUCTIONS:
@@ -162,6 +168,8 @@ class PerExampleEngine:
     def clear(self) -> None:
         """Forget the inputs and backprops kept for the current step."""
         for unit in self.units:
+            for call in unit.calls:
+                call.release()
             unit.calls.clear()
         self._leaked.clear()
 
@@ -229,7 +237,7 @@ class PerExampleEngine:
                 cols.append(p.new_zeros(batch))
             elif len(uses) == 1 and isinstance(uses[0][0], _RuleUnit):
                 unit, call, key = uses[0]
-                cols.append(unit.rule.sq_norm(unit.module, call, key))
+                cols.append(unit.rule.sq_norm(unit.module, call, key, self.prefer))
             else:
                 g = self._summed_grad(uses)
                 cols.append(g.flatten(1).pow(2).sum(1))
@@ -240,11 +248,21 @@ class PerExampleEngine:
         return norms * (scale * scale) if scale != 1.0 else norms
 
     def clipped_sums(self, factors, groups: Mapping[str, int]) -> dict[str, torch.Tensor]:
-        """sum_i factors[i, groups[leaf]] * grad_i for every leaf: the book-keeping sums."""
+        """sum_i factors[i, groups[leaf]] * grad_i for every leaf: the book-keeping sums.
+
+        This consumes the step: each layer call's kept input and backprop are released as
+        soon as the sums of all its parameters are formed, so memory falls as sums grow."""
         contributions, batch = self._contributions()
         scale = self._scale(batch)
+        pending: dict[int, int] = {}
+        for leaf in groups:
+            for _, call, _ in contributions[leaf]:
+                pending[id(call)] = pending.get(id(call), 0) + 1
         out, weights = {}, {}
-        for leaf, column in groups.items():
+        # smallest parameters first: their layers' inputs and backprops are released before
+        # the largest sums (an embedding's) are allocated
+        for leaf in sorted(groups, key=lambda name: self.params[name].numel()):
+            column = groups[leaf]
             uses, p = contributions[leaf], self.params[leaf]
             if column not in weights:  # one tensor per group, so rules can share work
                 weights[column] = factors[:, column] * scale if scale != 1.0 else \
@@ -258,7 +276,11 @@ class PerExampleEngine:
             else:
                 g = self._summed_grad(uses)
                 out[leaf] = torch.tensordot(c.to(g.dtype), g, dims=1)
-        return out
+            for _, call, _ in uses:  # release a call once all its parameters are summed
+                pending[id(call)] -= 1
+                if not pending[id(call)]:
+                    call.release()
+        return {leaf: out[leaf] for leaf in groups}
 
     def __repr__(self) -> str:
         kinds = [type(u.module).__name__ + ("" if isinstance(u, _RuleUnit) else "(vmap)")

@@ -53,6 +53,10 @@ class Call:
         self.g = [None] * n_outputs
         self.cache = None
 
+    def release(self) -> None:
+        """Drop the tensors (output hooks may still hold this object)."""
+        self.args, self.kwargs, self.g, self.cache = (), {}, [], None
+
     @property
     def batch_size(self) -> int:
         return next(a.shape[0] for a in self.args if isinstance(a, torch.Tensor))

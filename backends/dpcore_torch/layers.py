@@ -41,6 +41,11 @@ class Use:
     def __init__(self, x, aux=None):
         self.x, self.g, self.aux, self.cache = x, None, aux, {}
 
+    def release(self) -> None:
+        """Drop the tensors (the autograd graph or the user may still hold this object)."""
+        self.x = self.g = self.aux = None
+        self.cache = {}
+
     @property
     def batch_size(self) -> int:
         return self.x.shape[0]
@@ -63,7 +68,7 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        ctx.use.g = g
+        ctx.use.g, ctx.use = g, None  # the graph may outlive the step: keep no reference
         gx = g.matmul(ctx.saved_tensors[0]) if ctx.needs_input_grad[1] else None
         return None, gx, None, None
 
@@ -78,7 +83,7 @@ class _Conv(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        ctx.use.g = g
+        ctx.use.g, ctx.use = g, None  # the graph may outlive the step: keep no reference
         gx = None
         if ctx.needs_input_grad[1]:
             conv_input = conv1d_input if len(ctx.shape) == 3 else conv2d_input
@@ -94,7 +99,7 @@ class _Embedding(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        ctx.use.g = g
+        ctx.use.g, ctx.use = g, None  # the graph may outlive the step: keep no reference
         return None, None, None, None, None, None, None
 
 
@@ -109,7 +114,7 @@ class _LayerNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        ctx.use.g = g
+        ctx.use.g, ctx.use = g, None  # the graph may outlive the step: keep no reference
         gx = None
         if ctx.needs_input_grad[1]:
             x, mean, rstd, weight, bias = ctx.saved_tensors
@@ -131,7 +136,7 @@ class _GroupNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        ctx.use.g = g
+        ctx.use.g, ctx.use = g, None  # the graph may outlive the step: keep no reference
         gx = None
         if ctx.needs_input_grad[1]:
             x, mean, rstd, weight = ctx.saved_tensors
@@ -148,12 +153,22 @@ def _sq(t):
     return torch.einsum("bi,bi->b", t, t)
 
 
-def ghost_is_cheaper(t: int, ghost_width: int, size: int) -> bool:
-    """Mixed ghost norm (Bu et al.): per example, the ghost norm of a layer with T positions
-    costs T^2 * ``ghost_width`` (d_in + d_out for Linear) against ``size`` (d_in d_out) to hold
-    the materialised gradient. Materialised gradients also make the clipped sum a cheap
-    contraction over examples, so ghost norms are used only where they are smaller."""
-    return t * t * ghost_width < size
+PREFERENCES = ("memory", "time")
+
+
+def use_ghost(t: int, ghost_width: int, size: int, prefer: str = "memory") -> bool:
+    """Mixed ghost norm: per example, a layer with T positions has ghost-norm cost
+    T^2 * ``ghost_width`` (d_in + d_out for Linear) and a materialised gradient of ``size``
+    (d_in d_out) entries, which costs T * size to form and then makes the clipped sum a cheap
+    contraction; the ghost norm needs the book-keeping sum (T * size) instead.
+
+    ``prefer="time"``: ghost iff T^2 * width <= size (the cheaper norm when the materialised
+    gradient is kept). ``prefer="memory"``: ghost iff T * width <= size, i.e. iff keeping the
+    input and backprop (T * width values) takes no more memory than the gradient (size values);
+    the ghost norm then also beats materialising a gradient that is not kept."""
+    if prefer == "time":
+        return t * t * ghost_width <= size
+    return t * ghost_width <= size
 
 
 def _contract(c, grads):
@@ -184,7 +199,7 @@ class Rule:
             use.cache[name] = self.grad(module, use, name)
         return use.cache[name]
 
-    def sq_norm(self, module, use, name):
+    def sq_norm(self, module, use, name, prefer="memory"):
         return _sq(self.cached_grad(module, use, name))
 
     def weighted_sum(self, module, use, name, c):
@@ -219,7 +234,7 @@ class LinearRule(Rule):
             return g.sum(1)
         return torch.bmm(g.transpose(1, 2), x)
 
-    def sq_norm(self, module, use, name):
+    def sq_norm(self, module, use, name, prefer="memory"):
         x, g = self._xg(use)
         if x.dim() == 2:  # one position: ||g_i x_i^T||^2 = ||x_i||^2 ||g_i||^2
             if "g2" not in use.cache:
@@ -228,26 +243,27 @@ class LinearRule(Rule):
         if name == "bias":
             return _sq(g.sum(1))
         t, d_in, d_out = x.shape[1], x.shape[2], g.shape[2]
-        if ghost_is_cheaper(t, d_in + d_out, d_in * d_out):
+        if use_ghost(t, d_in + d_out, d_in * d_out, prefer):
             gram_x = torch.bmm(x, x.transpose(1, 2))
             gram_g = torch.bmm(g, g.transpose(1, 2))
             return (gram_x * gram_g).sum((1, 2))
-        return super().sq_norm(module, use, name)
+        return super().sq_norm(module, use, name, prefer)
 
     def weighted_sum(self, module, use, name, c):
         if name in use.cache:
             return _contract(c, use.cache[name])
         x, g = self._xg(use)
-        key = ("cg", id(c))  # weight and bias of one group share c_i g_i
-        if key not in use.cache:
-            shape = (-1,) + (1,) * (g.dim() - 1)
-            use.cache[key] = g * c.to(g.dtype).reshape(shape)
-        cg = use.cache[key]
+        c = c.to(g.dtype)
         if name == "bias":
-            return cg.sum(0) if cg.dim() == 2 else cg.sum((0, 1))
+            return c @ (g if g.dim() == 2 else g.sum(1))
         if x.dim() == 2:
-            return cg.t().mm(x)
-        return cg.reshape(-1, cg.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+            return (g * c[:, None]).t().mm(x)
+        # scale the smaller of x and g by c_i; the product is one ordinary weight gradient
+        if x.shape[2] <= g.shape[2]:
+            x = x * c[:, None, None]
+        else:
+            g = g * c[:, None, None]
+        return g.reshape(-1, g.shape[2]).t().mm(x.reshape(-1, x.shape[2]))
 
 
 class ConvRule(Rule):
@@ -314,17 +330,17 @@ class ConvRule(Rule):
             [0] * (x.dim() - 2), b * module.groups, (False, True, False))[1]
         return per.reshape(b, *w.shape)
 
-    def sq_norm(self, module, use, name):
+    def sq_norm(self, module, use, name, prefer="memory"):
         if name == "weight":
             length = math.prod(use.g.shape[2:])
             d = module.in_channels // module.groups * math.prod(module.kernel_size)
             o = module.out_channels // module.groups
-            if ghost_is_cheaper(length, d + o, d * o):
+            if use_ghost(length, d + o, d * o, prefer):
                 cols, g = self._unfolded(module, use)
                 gram_x = torch.einsum("bgdl,bgdm->bglm", cols, cols)
                 gram_g = torch.einsum("bgol,bgom->bglm", g, g)
                 return torch.einsum("bglm,bglm->b", gram_x, gram_g)
-        return super().sq_norm(module, use, name)
+        return super().sq_norm(module, use, name, prefer)
 
     def weighted_sum(self, module, use, name, c):
         if name in use.cache:
@@ -369,10 +385,10 @@ class EmbeddingRule(Rule):
         out = torch.zeros(b * vocab, d, dtype=g.dtype, device=g.device)
         return out.index_add_(0, rows, g.reshape(-1, d)).reshape(b, vocab, d)
 
-    def sq_norm(self, module, use, name):
+    def sq_norm(self, module, use, name, prefer="memory"):
         k, g = self._kg(module, use)
-        if not ghost_is_cheaper(k.shape[1], 1 + g.shape[2], module.weight.numel()):
-            return super().sq_norm(module, use, name)
+        if not use_ghost(k.shape[1], 1 + g.shape[2], module.weight.numel(), prefer):
+            return super().sq_norm(module, use, name, prefer)
         same = (k[:, :, None] == k[:, None, :]).to(g.dtype)
         return torch.einsum("bts,bts->b", same, torch.bmm(g, g.transpose(1, 2)))
 

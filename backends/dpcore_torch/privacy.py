@@ -58,7 +58,7 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
                  target_epsilon: float | None = None, target_delta: float | None = None,
                  epochs: int | None = None, clipping="flat", loss_reduction: str = "mean",
                  ledger=None, seed: int | None = None, mode: str = "auto",
-                 accountant: str = "pld"):
+                 prefer: str = "memory", accountant: str = "pld"):
     """Private (module, optimizer, data_loader).
 
     Give ``noise_multiplier`` z, or ``target_epsilon`` with ``target_delta`` and ``epochs`` to
@@ -67,7 +67,9 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     must match the loss (``"mean"`` or ``"sum"`` over the batch). ``ledger`` is a path, a
     :class:`dpcore.Ledger` or None (in memory). ``seed`` fixes sampling and noise (tests only;
     None draws OS entropy). ``mode`` is ``"auto"`` (ghost norms and book-keeping where a layer
-    rule exists, ``torch.func`` elsewhere) or ``"vmap"`` (``torch.func`` for the whole model).
+    rule exists, ``torch.func`` elsewhere) or ``"vmap"`` (``torch.func`` for the whole model);
+    ``prefer`` ("memory" or "time") picks ghost norms or materialised per-example gradients per
+    layer (:func:`dpcore_torch.layers.use_ghost`). ``accountant`` calibrates ``target_epsilon``.
     """
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch DataLoader, got {data_loader!r}")
@@ -83,7 +85,7 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
                              "noise multiplier")
         noise_multiplier = calibrate(target_epsilon, target_delta, q,
                                      epochs * steps_per_epoch(q), accountant)
-    engine = PerExampleEngine(module, mode=mode, loss_reduction=loss_reduction)
+    engine = PerExampleEngine(module, mode=mode, loss_reduction=loss_reduction, prefer=prefer)
     mechanism = build_mechanism(clipping, engine.leaf_sizes, max_grad_norm, noise_multiplier)
     sampling_seed, noise_seed = np.random.SeedSequence(seed).spawn(2)
     aggregator = PrivateAggregator(

@@ -37,8 +37,8 @@ def private_grads(engine: PerExampleEngine, aggregator: PrivateAggregator, loss=
         factors = aggregator.clip_factors(engine.sq_norms(leaves))
         column = {leaf: g for g, group in enumerate(mechanism.groups) for leaf in group.leaves}
         sums = engine.clipped_sums(factors, column)
-        if begin_step:
-            aggregator.begin_step()
-        return aggregator.release_sums(sums)
     finally:
-        engine.clear()
+        engine.clear()  # free the kept activations and backprops before the noise
+    if begin_step:
+        aggregator.begin_step()
+    return aggregator.release_sums(sums)
