@@ -138,12 +138,14 @@ class ClippedGradients:
         objects, _, _, _ = self._objects(x, y, loss_fn, mask)
         return {name: objects[name].per_example() for name in self.names}
 
-    def clipped_sums(self, x, y, loss_fn: Callable, clipper: GroupClipper, mask=None):
+    def clipped_sums(self, x, y, loss_fn: Callable, clipper: GroupClipper, clips: tf.Tensor,
+                     mask=None):
         """``(sums {path: tensor}, nonfinite (B,), losses (B,), outputs)``: sum_i c_i grad_i
-        with c the clip factors of ``clipper`` (0 for masked-out and non-finite rows)."""
+        with c the clip factors of ``clipper`` for clips S_g (0 for masked-out and
+        non-finite rows)."""
         objects, losses, outputs, mask = self._objects(x, y, loss_fn, mask)
         sq_norms = tf.stack([objects[leaf].sq_norms() for leaf in clipper.leaves], axis=1)
-        factors, bad = clipper.factors(sq_norms, mask)
+        factors, bad = clipper.factors(sq_norms, clips, mask)
         weights = clipper.leaf_factors(factors)
         sums = {leaf: objects[leaf].weighted_sum(weights[leaf]) for leaf in clipper.leaves}
         return sums, bad, losses, outputs

@@ -1,0 +1,77 @@
+"""Poisson-sampled batches as a ``tf.data.Dataset``, padded to static shapes with a mask.
+
+Every element is one Poisson sample (each record in it independently with probability q, so
+the size is Binomial(n, q) and may be 0), drawn on the host by a dpcore
+:class:`~dpcore.sampling.PoissonSampler`. To keep shapes static for the compiled step the
+sample is padded with zero rows to ``capacity`` (by default q n + 4 sqrt(q n), rounded up to
+a multiple of 8), or to the next multiple of it in the rare larger sample (never truncated:
+dropping records would change the sampling the accountant prices). ``mask`` marks the real
+rows; padded rows get clip factor 0, and averages divide by the public q n, never by the
+sample size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from dpcore import _validation as check
+from dpcore.sampling import PoissonSampler
+
+
+def default_capacity(n: int, q: float) -> int:
+    """ceil(q n + 4 sqrt(q n)) rounded up to a multiple of 8 (a larger sample still fits, at
+    the cost of one more trace)."""
+    mean = q * n
+    return max(8, 8 * math.ceil((mean + 4 * math.sqrt(mean)) / 8))
+
+
+def padded(arrays: Sequence[np.ndarray], indices: np.ndarray, capacity: int):
+    """``(*rows of every array, mask)`` padded with zeros to a multiple of ``capacity``."""
+    size = capacity * max(1, math.ceil(len(indices) / capacity))
+    out = []
+    for a in arrays:
+        rows = np.zeros((size, *a.shape[1:]), a.dtype)
+        rows[:len(indices)] = a[indices]
+        out.append(rows)
+    mask = np.zeros(size, bool)
+    mask[:len(indices)] = True
+    return (*out, mask)
+
+
+def poisson_dataset(x: np.ndarray, y: np.ndarray, *, q: float | None = None, steps: int,
+                    sampler: PoissonSampler | None = None, seed=None,
+                    capacity: int | None = None) -> tf.data.Dataset:
+    """``steps`` Poisson samples of the records (x[i], y[i]) as ``(x, y, mask)`` batches.
+
+    Give ``q`` (and optionally ``seed``), or a ``sampler`` (e.g. ``aggregator.sampler``, so the
+    aggregator's seed drives sampling too). Keras's ``fit`` reads the mask as the sample
+    weight slot; the private model uses it as the padding mask.
+    """
+    x, y = np.asarray(x), np.asarray(y)
+    n = check.count("number of records", len(x), minimum=1)
+    if len(y) != n:
+        raise ValueError(f"x has {n} records and y has {len(y)}; they must match")
+    if sampler is None:
+        if q is None:
+            raise ValueError("give the sampling rate q or a sampler")
+        sampler = PoissonSampler(n, q, seed=seed)
+    elif sampler.n != n or (q is not None and q != sampler.q):
+        raise ValueError(f"the sampler draws from n={sampler.n} records at q={sampler.q}; the "
+                         f"data has n={n} records" + ("" if q is None else f" and q={q}"))
+    steps = check.count("steps", steps, minimum=1)
+    capacity = default_capacity(n, sampler.q) if capacity is None else check.count(
+        "capacity", capacity, minimum=1)
+
+    def samples():
+        for _ in range(steps):
+            yield padded((x, y), sampler.sample(), capacity)
+
+    signature = (tf.TensorSpec((None, *x.shape[1:]), tf.as_dtype(x.dtype)),
+                 tf.TensorSpec((None, *y.shape[1:]), tf.as_dtype(y.dtype)),
+                 tf.TensorSpec((None,), tf.bool))
+    dataset = tf.data.Dataset.from_generator(samples, output_signature=signature)
+    return dataset.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)

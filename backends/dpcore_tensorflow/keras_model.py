@@ -1,0 +1,174 @@
+"""Keras 3 ``model.fit`` with DP: :func:`make_private` wraps a model in a
+:class:`PrivateModel` whose train step is the fused DP step of :mod:`.step`.
+
+    private = make_private(model, n=len(x_train), batch_size=256, max_grad_norm=1.0,
+                           noise_multiplier=1.1, ledger="run.jsonl")
+    private.compile(optimizer=keras.optimizers.SGD(0.1),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    metrics=["accuracy"])
+    private.fit(x_train, y_train, epochs=3)       # Poisson batches, q = 256 / n
+
+Each call of the train function is one step: on the host the sampling and sum-query events
+are written to the ledger, then the compiled step computes the private average gradient of
+one padded Poisson batch and the optimizer applies it (post-processing). Arrays given to
+``fit`` are Poisson-sampled by the aggregator's sampler, 1/q steps per epoch; a
+``tf.data.Dataset`` must yield ``(x, y, mask)`` Poisson batches (:func:`.poisson_dataset`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import tensorflow as tf
+
+from dpcore import Mechanism, PrivateAggregator, flat, per_layer
+from dpcore.aggregation import NonFiniteNormError
+
+from .bookkeeping import leaf_names
+from .data import poisson_dataset
+from .step import PrivateGradients
+
+CLIPPINGS = ("flat", "per_layer")
+
+
+class _State:
+    """Untracked by Keras: the aggregator, the DP step and the per-step clip/noise inputs."""
+
+    def __init__(self, aggregator: PrivateAggregator, mode: str):
+        self.aggregator, self.mode = aggregator, mode
+        self.dp: PrivateGradients | None = None
+        self.clips: tf.Variable | None = None
+        self.stds: tf.Variable | None = None
+
+
+class PrivateModel(keras.Model):
+    """``model`` trained with the Gaussian sum queries of ``aggregator`` (tensorflow backend,
+    mechanism leaves = the model's variable paths). ``mode`` picks the per-example norms
+    (``"auto"``: ghost or materialised per layer by cost; ``"vectorized"``)."""
+
+    def __init__(self, model: keras.Model, aggregator: PrivateAggregator, *,
+                 mode: str = "auto", **kwargs):
+        super().__init__(name=kwargs.pop("name", f"private_{model.name}"), **kwargs)
+        self.model = model
+        self._dp_state = _State(aggregator, mode)
+
+    @property
+    def aggregator(self) -> PrivateAggregator:
+        return self._dp_state.aggregator
+
+    def call(self, inputs, training=None):
+        return self.model(inputs, training=training)
+
+    def compile(self, optimizer="sgd", loss=None, metrics=None, **kwargs):
+        if loss is None:
+            raise ValueError("a private model needs its loss at compile time (one loss per "
+                             "example is clipped)")
+        if kwargs.get("steps_per_execution", 1) != 1:
+            raise ValueError(f"steps_per_execution must be 1 for a private model (the ledger "
+                             f"is written before every step), got {kwargs['steps_per_execution']}")
+        super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+        self._dp_state.dp = None
+
+    def _build_dp(self) -> PrivateGradients:
+        state = self._dp_state
+        if state.dp is None:
+            state.dp = PrivateGradients(self.model, self.loss, state.aggregator, mode=state.mode)
+            groups, leaves = len(state.dp.clipper.structure), len(state.dp.clipper.leaves)
+            state.clips = tf.Variable(tf.zeros([groups], tf.float64), trainable=False)
+            state.stds = tf.Variable(tf.zeros([leaves], tf.float64), trainable=False)
+        return state.dp
+
+    def train_step(self, data):
+        x, y, mask = keras.utils.unpack_x_y_sample_weight(data)
+        if mask is None:
+            mask = tf.ones([tf.shape(tf.nest.flatten(x)[0])[0]], tf.bool)
+        state = self._dp_state
+        grads, losses, outputs, bad = state.dp.graph_step(x, y, mask, state.clips, state.stds)
+        self.optimizer.apply(grads, state.dp.variables)
+        weight = tf.cast(mask, losses.dtype)
+        count = tf.reduce_sum(weight)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(tf.reduce_sum(losses * weight) / tf.maximum(count, 1.0),
+                                    sample_weight=count)
+        logs = self.compute_metrics(x, y, outputs, sample_weight=weight)
+        return {**logs, "nonfinite_records": tf.reduce_sum(tf.cast(bad, tf.int32))}
+
+    def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        dp = self._build_dp()
+        state = self._dp_state
+        super().make_train_function(force=True)
+        compiled = self.train_function
+
+        def train_function(iterator):
+            clips, stds = dp.record_step()  # ledger first
+            state.clips.assign(clips)
+            state.stds.assign(stds)
+            logs = compiled(iterator)
+            if state.aggregator.on_nonfinite == "raise" and int(logs["nonfinite_records"]):
+                raise NonFiniteNormError(
+                    f"{int(logs['nonfinite_records'])} record(s) of the last step had a NaN or "
+                    f"infinite gradient norm (they got weight 0); fix the model or loss, or "
+                    f"use on_nonfinite='drop'")
+            return logs
+
+        self.train_function = train_function
+        return train_function
+
+    def fit(self, x=None, y=None, *, batch_size=None, epochs=1, steps_per_epoch=None,
+            sample_weight=None, class_weight=None, shuffle=None, **kwargs):
+        """Keras ``fit`` on Poisson batches. Arrays are sampled at the aggregator's rate q,
+        ``steps_per_epoch`` (default round(1/q)) samples per epoch; batch sizes, shuffling and
+        sample or class weights do not apply (the batch is the Poisson sample)."""
+        for name, value in (("batch_size", batch_size), ("sample_weight", sample_weight),
+                            ("class_weight", class_weight), ("shuffle", shuffle)):
+            if value is not None:
+                raise ValueError(f"{name}={value!r} does not apply to a private model: batches "
+                                 f"are Poisson samples at rate q={self.aggregator.q}")
+        if not isinstance(x, tf.data.Dataset):
+            steps = steps_per_epoch or max(1, round(1 / self.aggregator.q))
+            x = poisson_dataset(x, y, sampler=self.aggregator.sampler, steps=steps)
+            y, steps_per_epoch = None, None
+        return super().fit(x, y, epochs=epochs, steps_per_epoch=steps_per_epoch, shuffle=False,
+                           **kwargs)
+
+
+def build_mechanism(model: keras.Model, clipping, max_grad_norm: float,
+                    noise_multiplier: float) -> Mechanism:
+    """``"flat"`` (one group, clip S), ``"per_layer"`` (one group per variable, S_g = S /
+    sqrt(L), proportional noise) or a :class:`dpcore.Mechanism` over the variable paths."""
+    if isinstance(clipping, Mechanism):
+        return clipping
+    names = leaf_names(model)
+    if clipping == "flat":
+        return flat(names, max_grad_norm, noise_multiplier)
+    if clipping == "per_layer":
+        sizes = {v.path: math.prod(v.shape) for v in model.trainable_variables}
+        return per_layer(sizes, max_grad_norm, noise_multiplier)
+    raise ValueError(f"clipping must be one of {CLIPPINGS} or a dpcore Mechanism, got "
+                     f"{clipping!r}")
+
+
+def make_private(model: keras.Model, *, n: int, batch_size: float | None = None,
+                 q: float | None = None, max_grad_norm: float = 1.0,
+                 noise_multiplier: float = 1.0, clipping="flat", ledger=None, seed=None,
+                 mode: str = "auto", on_nonfinite: str = "raise",
+                 clip_schedule=None) -> PrivateModel:
+    """A :class:`PrivateModel` around a built ``model``, for ``n`` records sampled at rate
+    ``q`` (or ``batch_size / n``: the expected batch size). ``ledger`` is a path or a
+    :class:`dpcore.Ledger`; ``seed`` fixes sampling and noise (tests only); ``clip_schedule``
+    is a dpcore clip schedule."""
+    if (q is None) == (batch_size is None):
+        raise ValueError("give exactly one of q (sampling rate) and batch_size (expected "
+                         f"batch size, q = batch_size / n); got q={q!r}, batch_size={batch_size!r}")
+    if not model.built:
+        raise ValueError(f"model {model.name!r} is not built; call it on a batch or give it an "
+                         f"Input first, so its variables exist")
+    q = batch_size / n if q is None else q
+    mechanism = build_mechanism(model, clipping, max_grad_norm, noise_multiplier)
+    aggregator = PrivateAggregator(mechanism, n=n, q=q, backend="tensorflow", ledger=ledger,
+                                   seed=seed, on_nonfinite=on_nonfinite, clipping=clip_schedule)
+    return PrivateModel(model, aggregator, mode=mode)

@@ -1,0 +1,130 @@
+"""The fused DP gradient of a Keras model: one compiled function from a padded Poisson batch
+to the private average gradient, with the ledger written on the host before it runs.
+
+One step t:
+
+1. host: ``aggregator.begin_step()`` writes the sampling event (q, n); the step's groups
+   (S_g, sigma~_g) are written as sum-query events, so a released step always has its events;
+2. graph: per-example norms and clipped sums by book-keeping (:mod:`.bookkeeping`), clip
+   factors min(1, S_g / ||v_ig||) (:mod:`.kernels`), noise alpha_j sigma~_g N(0, I) from the
+   aggregator's ``tf.random.Generator``, division by the public q n.
+
+Clips and noise enter as tensors, so schedules that move them do not retrace. Adaptive
+clipping's count queries are not part of the fused step (use ``backend.private_gradient``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from dpcore.aggregation import NonFiniteNormError
+from dpcore.ledger import SumQueryEvent
+from dpcore.queries import effective_noise_multiplier
+
+from .bookkeeping import ClippedGradients
+from .kernels import GroupClipper, clips_of, leaf_stds_of, noisy_mean, structure
+
+
+def per_example_loss(loss) -> Callable:
+    """``(y_true, y_pred) -> (B,)`` from a Keras loss (object, name or function): the
+    unreduced loss, averaged over every axis but the first (Keras's mean over all elements
+    is the mean of these)."""
+    if isinstance(loss, keras.losses.Loss):
+        fn = loss.call
+    else:
+        fn = keras.losses.get(loss)
+        if fn is None:
+            raise ValueError(f"loss must be a Keras loss, its name or a function "
+                             f"(y_true, y_pred) -> per-example losses, got {loss!r}")
+
+    def losses(y_true, y_pred):
+        values = tf.convert_to_tensor(fn(y_true, y_pred))
+        if values.shape.rank == 0:
+            raise ValueError(f"loss {loss!r} returned a scalar; DP needs one loss per example "
+                             f"(pass a Keras loss or a function without batch reduction)")
+        if values.shape.rank > 1:
+            values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
+        return values
+
+    return losses
+
+
+class PrivateGradients:
+    """DP gradients of ``model`` under ``aggregator`` (a :class:`dpcore.PrivateAggregator` on
+    the tensorflow backend, whose mechanism names the model's variable paths).
+
+    Call it in a GradientTape-style custom loop; each call is one step::
+
+        grads = dp(x, y, mask)               # ledger first, then the compiled step
+        optimizer.apply(grads, model.trainable_variables)
+
+    ``mode`` chooses the norms (:class:`~.bookkeeping.ClippedGradients`); ``jit_compile`` runs
+    the step under XLA.
+    """
+
+    def __init__(self, model: keras.Model, loss, aggregator, *, mode: str = "auto",
+                 jit_compile: bool = False):
+        self.engine = ClippedGradients(model, mode)
+        self.loss_fn = per_example_loss(loss)
+        self.aggregator = aggregator
+        if not isinstance(aggregator.rng, tf.random.Generator):
+            raise TypeError(f"the aggregator's generator is {type(aggregator.rng).__name__}; "
+                            f"create it with backend='tensorflow' so noise is drawn in graph")
+        self.clipper = GroupClipper(aggregator.mechanism, self.engine.names)
+        self.variables = self.engine.variables
+        self._function = tf.function(self.graph_step, jit_compile=jit_compile,
+                                     reduce_retracing=True)
+
+    def record_step(self) -> tuple[tf.Tensor, tf.Tensor]:
+        """Host side, before the step runs: the sampling event and the step's sum-query events
+        go to the ledger; returns the step's clips (G,) and leaf noise stds (L,)."""
+        agg = self.aggregator
+        z_next = agg.next_noise_multiplier()
+        agg.begin_step()
+        mechanism = agg.mechanism
+        if structure(mechanism) != self.clipper.structure:
+            raise ValueError("the aggregator's groups changed since this step was built; "
+                             "rebuild PrivateGradients")
+        if effective_noise_multiplier(g.privacy_tuple for g in mechanism.groups) != z_next:
+            raise NotImplementedError(
+                "the aggregator releases more than the gradient groups this step (adaptive "
+                "clipping's counts); the fused step does not: use "
+                "TensorFlowBackend.private_gradient, or a clip schedule")
+        agg.ledger.record_sum_queries([SumQueryEvent(g.name, g.clip, g.noise_std)
+                                       for g in mechanism.groups])
+        return (tf.constant(clips_of(mechanism), tf.float64),
+                tf.constant(leaf_stds_of(mechanism, self.clipper.leaves), tf.float64))
+
+    def graph_step(self, x, y, mask, clips, stds):
+        """In graph: ``(grads in variable order, losses (B,), outputs, nonfinite (B,))``.
+        Whoever runs this must have called :meth:`record_step` for the step on the host."""
+        mask = tf.cast(mask, tf.bool)
+        sums, bad, losses, outputs = self.engine.clipped_sums(x, y, self.loss_fn, self.clipper,
+                                                              clips, mask)
+        means = noisy_mean(sums, self.clipper.leaves, stds, self.aggregator.rng,
+                           self.aggregator.expected_size)
+        return [means[name] for name in self.engine.names], losses, outputs, bad
+
+    def __call__(self, x, y, mask=None) -> list[tf.Tensor]:
+        """One DP step's private average gradient, aligned with ``model.trainable_variables``."""
+        if mask is None:
+            mask = tf.ones([tf.shape(tf.nest.flatten(x)[0])[0]], tf.bool)
+        clips, stds = self.record_step()
+        grads, _, _, bad = self._function(x, y, mask, clips, stds)
+        raise_on_nonfinite(self.aggregator, bad)
+        return grads
+
+
+def raise_on_nonfinite(aggregator, bad: tf.Tensor) -> None:
+    """Host side: raise :class:`NonFiniteNormError` for non-finite records under the
+    ``"raise"`` policy (they already got weight 0 in the sums)."""
+    if aggregator.on_nonfinite == "raise" and bool(tf.reduce_any(bad)):
+        rows = np.flatnonzero(bad.numpy()).tolist()
+        raise NonFiniteNormError(
+            f"records {rows[:10]}{' ...' if len(rows) > 10 else ''} have a NaN or infinite "
+            f"gradient norm; fix the model or loss, or use on_nonfinite='drop'")
+

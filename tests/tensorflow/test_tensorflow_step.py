@@ -1,0 +1,188 @@
+"""The fused DP step, Keras fit and Poisson tf.data: exactness without noise, ghost ==
+vectorized, noise against the ledger, padding, the ledger before every release."""
+
+import math
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+import dpcore  # noqa: E402
+from dpcore.aggregation import NonFiniteNormError  # noqa: E402
+from dpcore_tensorflow import (PrivateGradients, make_private, poisson_dataset,  # noqa: E402
+                               per_example_loss)
+from dpcore_tensorflow.data import default_capacity  # noqa: E402
+
+L = keras.layers
+CE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def cnn(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((8, 8, 1)), L.Conv2D(3, 3, activation="relu"),
+                             L.MaxPooling2D(), L.Flatten(), L.Dense(6, activation="tanh"),
+                             L.Dense(3)])
+
+
+def data(b=12, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(b, 8, 8, 1)).astype("float32"),
+            rng.integers(0, 3, size=b).astype("int32"))
+
+
+def aggregator(model, clip, z, *, n=100, q=0.12, seed=0, **kw):
+    names = [v.path for v in model.trainable_variables]
+    return dpcore.PrivateAggregator(dpcore.flat(names, clip, z), n=n, q=q,
+                                    backend="tensorflow", seed=seed, **kw)
+
+
+def test_zero_noise_large_clip_is_the_non_private_gradient():
+    model = cnn()
+    x, y = data()
+    agg = aggregator(model, 1e6, 0.0)
+    grads = PrivateGradients(model, CE, agg)(x, y)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(per_example_loss(CE)(y, model(x, training=True)))
+    expected = tape.gradient(loss, model.trainable_variables)
+    for g, e in zip(grads, expected):
+        np.testing.assert_allclose(g.numpy(), e.numpy() / agg.expected_size, rtol=2e-5,
+                                   atol=1e-7)
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_ghost_equals_vectorized_on_the_same_batch(clipping):
+    model = cnn(1)
+    x, y = data(seed=1)
+    out = {}
+    for mode in ("auto", "ghost", "vectorized"):
+        private = make_private(model, n=100, q=0.12, max_grad_norm=0.05, noise_multiplier=0.0,
+                               clipping=clipping, seed=0, mode=mode)
+        out[mode] = PrivateGradients(model, CE, private.aggregator, mode=mode)(x, y)
+    for mode in ("ghost", "vectorized"):
+        for a, b in zip(out["auto"], out[mode]):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-7)
+
+
+def test_padded_rows_change_nothing():
+    model = cnn(2)
+    x, y = data(seed=2)
+    grads = {}
+    for pad in (0, 5):
+        xp = np.concatenate([x, 1e3 * np.ones((pad, *x.shape[1:]), x.dtype)])
+        yp = np.concatenate([y, np.zeros(pad, y.dtype)])
+        mask = np.arange(len(xp)) < len(x)
+        agg = aggregator(model, 0.1, 0.0)
+        grads[pad] = PrivateGradients(model, CE, agg)(xp, yp, mask)
+    for a, b in zip(grads[0], grads[5]):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-8)
+
+
+def test_noise_std_matches_the_ledger():
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((200,)), L.Dense(100)])
+    x = np.zeros((4, 200), "float32")
+    y = np.zeros((4, 100), "float32")
+    agg = aggregator(model, 1e-8, 1e7, seed=5)  # clip ~0: the release is noise
+    grads = PrivateGradients(model, "mse", agg)(x, y)
+    expected = agg.ledger.events[-1].noise_std / agg.expected_size
+    kernel = grads[0].numpy()
+    d = kernel.size
+    # relative standard error of a sample std of d normals: 1/sqrt(2d) ~ 0.5%; 5 of them
+    # (2.5%) is far below the 10% error this must catch
+    assert abs(kernel.std() / expected - 1) < 5 / math.sqrt(2 * d)
+    assert abs(kernel.mean()) < 5 * expected / math.sqrt(d)
+
+
+def test_seeded_steps_repeat_and_noise_is_fresh_each_step():
+    x, y = data(seed=4)
+    runs = []
+    for _ in range(2):
+        model = cnn(4)
+        agg = aggregator(model, 1.0, 1.0, seed=11)
+        dp = PrivateGradients(model, CE, agg)
+        runs.append([dp(x, y)[0].numpy() for _ in range(2)])
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    assert not np.allclose(runs[0][0], runs[0][1])
+
+
+def test_xla_step_matches_the_graph_step():
+    x, y = data(seed=5)
+    out = []
+    for jit in (False, True):
+        model = cnn(5)
+        agg = aggregator(model, 0.1, 0.0)
+        out.append(PrivateGradients(model, CE, agg, jit_compile=jit)(x, y))
+    for a, b in zip(*out):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-7)
+
+
+def test_poisson_dataset_pads_masks_and_samples():
+    n, q = 1000, 0.05
+    x = np.arange(n, dtype="float32")[:, None]
+    y = np.arange(n, dtype="int32")
+    cap = default_capacity(n, q)
+    assert cap % 8 == 0 and cap >= 50 + 4 * math.sqrt(50)
+    sizes = []
+    for xb, yb, mask in poisson_dataset(x, y, q=q, steps=200, seed=0):
+        assert xb.shape[0] % cap == 0 and mask.shape[0] == xb.shape[0]
+        m = mask.numpy()
+        assert not m[m.sum():].any()  # real rows first
+        np.testing.assert_array_equal(xb.numpy()[m, 0], yb.numpy()[m])
+        assert (xb.numpy()[~m] == 0).all()
+        sizes.append(int(m.sum()))
+    # Binomial(1000, 0.05): mean 50, sd 6.9; the mean of 200 samples is within 4 sd / sqrt(200)
+    assert abs(np.mean(sizes) - 50) < 4 * math.sqrt(n * q * (1 - q)) / math.sqrt(200)
+    assert np.std(sizes) > 4
+    big = list(poisson_dataset(x, y, q=q, steps=1, seed=0, capacity=8))
+    assert big[0][2].numpy().sum() > 8 and big[0][0].shape[0] % 8 == 0
+
+
+def test_fit_writes_the_ledger_before_each_step_is_released(tmp_path):
+    n = 600
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(n, 8, 8, 1)).astype("float32")
+    y = (x[:, :4].mean(axis=(1, 2, 3)) > 0).astype("int32")
+    path = tmp_path / "ledger.jsonl"
+    private = make_private(cnn(6), n=n, batch_size=60, max_grad_norm=1.0, noise_multiplier=0.3,
+                           ledger=path, seed=0)
+    private.compile(optimizer=keras.optimizers.SGD(0.2), loss=CE, metrics=["accuracy"])
+    seen = []
+
+    class Check(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(dpcore.read_ledger(path).steps()[0].count)
+
+    history = private.fit(x, y, epochs=2, verbose=0, callbacks=[Check()])
+    assert seen == list(range(1, 21))  # step t's events were on disk when it was released
+    assert dpcore.read_ledger(path).steps() == [dpcore.Step(0.1, 0.3, 20)]
+    assert history.history["loss"][1] < history.history["loss"][0]
+
+
+def test_fit_rejects_batch_size_and_multi_step_execution():
+    private = make_private(cnn(), n=100, batch_size=10)
+    with pytest.raises(ValueError, match="steps_per_execution"):
+        private.compile(optimizer="sgd", loss=CE, steps_per_execution=4)
+    private.compile(optimizer="sgd", loss=CE)
+    x, y = data(100)
+    with pytest.raises(ValueError, match="batch_size=32 does not apply.*Poisson"):
+        private.fit(x, y, batch_size=32)
+
+
+def test_fit_stops_on_nonfinite_records():
+    x, y = data(100, seed=7)
+    x[3] = np.nan
+    private = make_private(cnn(), n=100, q=1.0, seed=0)
+    private.compile(optimizer="sgd", loss=CE)
+    with pytest.raises(NonFiniteNormError, match="record"):
+        private.fit(x, y, epochs=1, verbose=0)
+
+
+def test_batch_normalization_model_is_rejected():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), L.Dense(3), L.BatchNormalization()])
+    with pytest.raises(ValueError, match="BatchNormalization"):
+        private = make_private(model, n=10, q=0.5)
+        private.compile(optimizer="sgd", loss="mse")
+        private.fit(np.zeros((10, 4), "float32"), np.zeros((10, 3), "float32"), verbose=0)
