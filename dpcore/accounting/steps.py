@@ -24,9 +24,12 @@ every step (a decreasing clip schedule).
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Iterable, Sequence, Union
+
+import numpy as np
 
 from .. import _validation as check
 from ..ledger import NEIGHBOURING, Ledger, LedgerError, Step, read_ledger
@@ -82,22 +85,40 @@ def as_steps(source: Source) -> list[Step]:
         if relation != NEIGHBOURING:
             raise LedgerError(f"these accountants price the neighbouring relation "
                               f"{NEIGHBOURING!r}; the ledger states {relation!r}")
-        return source.steps()
+        return source.steps()  # validated when the events were made
     if isinstance(source, Step):
         source = [source]
-    steps = []
-    for item in source:
-        if isinstance(item, Step):
-            steps.append(check_step(item.q, item.noise_multiplier, item.count))
-        else:
-            try:
-                fields = tuple(item)
-            except TypeError:
-                raise TypeError(f"expected a Step or a (q, z[, count]) tuple, got {item!r}") from None
-            if len(fields) not in (2, 3):
-                raise TypeError(f"expected a Step or a (q, z[, count]) tuple, got {item!r}")
-            steps.append(check_step(*fields))
+    steps = [item if isinstance(item, Step) else _from_tuple(item) for item in source]
+    _check_all(steps)
     return steps
+
+
+def _from_tuple(item) -> Step:
+    try:
+        fields = tuple(item)
+    except TypeError:
+        raise TypeError(f"expected a Step or a (q, z[, count]) tuple, got {item!r}") from None
+    if len(fields) not in (2, 3):
+        raise TypeError(f"expected a Step or a (q, z[, count]) tuple, got {item!r}")
+    return check_step(*fields)
+
+
+def _check_all(steps: list[Step]) -> None:
+    """Validate many steps at once; the first bad one is re-checked for its message."""
+    if not steps:
+        return
+    try:
+        q = np.array([s.q for s in steps], dtype=float)
+        z = np.array([s.noise_multiplier for s in steps], dtype=float)
+        c = np.array([s.count for s in steps])
+        fine = ((q >= 0) & (q <= 1) & (z >= 0) & (c >= 0)
+                & np.array([isinstance(s.count, numbers.Integral) and not isinstance(s.count, bool)
+                            for s in steps]))
+    except (TypeError, ValueError):
+        fine = np.zeros(len(steps), dtype=bool)
+    for i in np.flatnonzero(~fine):
+        step = steps[int(i)]
+        check_step(step.q, step.noise_multiplier, step.count)  # raises, naming the field
 
 
 def round_noise_down(z: float, resolution: float) -> float:
@@ -122,24 +143,39 @@ def group_steps(source: Source, *, noise_resolution: float | None = None,
     ``max_groups`` distinct (q, z) pairs. Rounding down never lowers the reported epsilon.
     """
     steps = as_steps(source)
-    counts: dict[tuple[float, float], int] = {}
-    infinite = False
-    total = 0
-    for step in steps:
-        total += step.count
-        if step.count == 0 or step.q == 0 or math.isinf(step.noise_multiplier):
-            continue
-        if step.noise_multiplier == 0:
-            infinite = True
-            continue
-        key = (step.q, step.noise_multiplier)
-        counts[key] = counts.get(key, 0) + step.count
+    total = sum(s.count for s in steps)
+    if not steps:
+        return Composition((), False, 0)
+    q = np.array([s.q for s in steps], dtype=float)
+    z = np.array([s.noise_multiplier for s in steps], dtype=float)
+    c = np.array([s.count for s in steps], dtype=np.int64)
+    costly = (c > 0) & (q > 0) & np.isfinite(z)
+    infinite = bool(np.any(costly & (z == 0)))
+    costly &= z > 0
+    q, z, c = q[costly], z[costly], c[costly]
     rounded = False
-    if noise_resolution is not None and (max_groups is None or len(counts) > max_groups):
-        coarse: dict[tuple[float, float], int] = {}
-        for (q, z), c in counts.items():
-            key = (q, round_noise_down(z, noise_resolution))
-            coarse[key] = coarse.get(key, 0) + c
-        counts, rounded = coarse, True
-    groups = tuple(Group(q, z, c) for (q, z), c in sorted(counts.items()))
+    if (noise_resolution is not None and z.size
+            and (max_groups is None or np.unique(q + 1j * z).size > max_groups)):
+        z = _round_down(z, noise_resolution)
+        rounded = True
+    keys, inverse = np.unique(q + 1j * z, return_inverse=True)  # (q, z) as one sortable key
+    counts = np.zeros(keys.size, dtype=np.int64)
+    np.add.at(counts, inverse.reshape(-1), c)
+    groups = tuple(Group(float(k.real), float(k.imag), int(n)) for k, n in zip(keys, counts))
     return Composition(groups, infinite, total, rounded)
+
+
+def _round_down(z: np.ndarray, resolution: float) -> np.ndarray:
+    """Vectorised :func:`round_noise_down`."""
+    if not 0 < resolution < 1:
+        raise ValueError(f"noise_resolution must be in (0, 1), got {resolution!r}")
+    ratio = math.log1p(-resolution)
+    k = np.ceil(np.log(z) / ratio)
+    rounded = np.exp(k * ratio)
+    for _ in range(3):  # guard against the last ulp of log/exp
+        over = rounded > z
+        if not over.any():
+            break
+        k = np.where(over, k + 1, k)
+        rounded = np.exp(k * ratio)
+    return rounded

@@ -1,0 +1,121 @@
+"""Ledger in, epsilon out: the (epsilon, delta) guarantee of a ledger, and the budget left.
+
+``source`` is everywhere a :class:`~dpcore.ledger.Ledger`, a ledger path, or a sequence of
+steps (:mod:`dpcore.accounting.steps`). ``accountant`` is ``"pld"`` (the default: tightest)
+or ``"rdp"``; extra keyword arguments go to the accountant's constructor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from .. import _validation as check
+from .pld import PLDAccountant
+from .rdp import RDPAccountant
+from .steps import Source, as_steps
+
+ACCOUNTANTS = {"pld": PLDAccountant, "rdp": RDPAccountant}
+MAX_STEPS = 10**9
+
+
+@dataclass(frozen=True)
+class Guarantee:
+    """An (epsilon, delta)-DP guarantee under add-or-remove-one-record neighbouring.
+
+    ``order`` is the optimal RDP order (RDP accountant only); ``rounded`` says whether noise
+    multipliers were rounded down onto a grid (conservatively) before accounting."""
+
+    epsilon: float
+    delta: float
+    accountant: str
+    steps: int
+    order: float | None = None
+    rounded: bool = False
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        if math.isinf(self.epsilon):
+            d["epsilon"] = "inf"  # JSON has no infinity
+        return d
+
+
+def make_accountant(source: Source = (), accountant: str = "pld", **options):
+    """A fresh accountant of kind ``accountant`` holding the steps of ``source``."""
+    try:
+        cls = ACCOUNTANTS[accountant]
+    except (KeyError, TypeError):
+        raise ValueError(f"accountant must be one of {sorted(ACCOUNTANTS)}, got "
+                         f"{accountant!r}") from None
+    return cls(source, **options)
+
+
+def guarantee(source: Source, delta: float, *, accountant: str = "pld", **options) -> Guarantee:
+    """The smallest epsilon the chosen accountant certifies for ``source`` at ``delta``."""
+    delta = check.delta("delta", delta)
+    acc = make_accountant(source, accountant, **options)
+    if isinstance(acc, RDPAccountant):
+        eps, order = acc.epsilon_and_order(delta)
+    else:
+        eps, order = acc.epsilon(delta), None
+    return Guarantee(eps, delta, accountant, acc.steps, order, acc.rounded)
+
+
+def epsilon(source: Source, delta: float, *, accountant: str = "pld", **options) -> float:
+    """Epsilon of ``source`` at ``delta`` (an upper bound: never under-reported).
+
+    z = 0 (a noiseless step) gives ``inf``; q = 0 and z = inf steps cost nothing."""
+    return guarantee(source, delta, accountant=accountant, **options).epsilon
+
+
+def delta_for_epsilon(source: Source, epsilon: float, *, accountant: str = "pld",
+                      **options) -> float:
+    """Delta of ``source`` at ``epsilon`` (an upper bound)."""
+    epsilon = check.non_negative("epsilon", epsilon)
+    return make_accountant(source, accountant, **options).delta(epsilon)
+
+
+def remaining_steps(source: Source, q: float, noise_multiplier: float, target_epsilon: float,
+                    delta: float, *, accountant: str = "pld", max_steps: int = MAX_STEPS,
+                    **options) -> int:
+    """How many more steps at (q, z) fit in the budget (target_epsilon, delta) after the
+    steps of ``source``: the largest k <= ``max_steps`` with epsilon(source + k steps) <=
+    target_epsilon (0 if the budget is already spent). Returns ``max_steps`` when the steps
+    are free (q = 0 or z = inf)."""
+    target_epsilon = check.non_negative("target_epsilon", target_epsilon)
+    delta = check.delta("delta", delta)
+    q = check.probability("q (sampling rate)", q, allow_zero=True)
+    z = check.non_negative("noise_multiplier", noise_multiplier, allow_inf=True)
+    max_steps = check.count("max_steps", max_steps)
+    past = as_steps(source)
+
+    def fits(k: int) -> bool:
+        steps = past + ([(q, z, k)] if k else [])
+        return make_accountant(steps, accountant, **options).epsilon(delta) <= target_epsilon
+
+    if not fits(0):
+        return 0
+    if q == 0 or math.isinf(z):
+        return max_steps
+    if z == 0:
+        return 0
+    return _largest_true(fits, max_steps)
+
+
+def _largest_true(fits, limit: int) -> int:
+    """The largest k in [0, limit] with fits(k), given fits(0) and fits monotone
+    (true up to some k, false after)."""
+    lo, hi = 0, 1
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi > limit:
+        if fits(limit):
+            return limit
+        hi = limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -1,0 +1,437 @@
+r"""Privacy loss distributions (PLD) for Poisson-subsampled Gaussian steps.
+
+A pair of distributions (P, Q) is summarised by its *privacy profile* (hockey-stick
+divergence) delta(eps) = E_P[(1 - e^{eps - L})_+], where L = log(P/Q) is the privacy loss.
+Under add-or-remove-one neighbouring one step with sampling rate q and noise multiplier z is
+dominated by one of two pairs, with mu_0 = N(0, z^2), mu_1 = N(1, z^2), mu_q = (1-q) mu_0 + q mu_1:
+
+* *remove*: (mu_q, mu_0), delta_R(eps) = q * delta_G(log(1 + (e^eps - 1)/q)) for
+  eps > log(1-q), and 1 - e^eps below;
+* *add*: (mu_0, mu_q), delta_A(eps) = (1 - e^eps (1-q)) * delta_G(-log(1 + (e^{-eps} - 1)/q))
+  for eps < -log(1-q), and 0 above;
+
+where delta_G(eps) = Phi(-eps z + 1/(2z)) - e^eps Phi(-eps z - 1/(2z)) is the profile of the
+Gaussian mechanism. A sequence of steps is dominated by composing the remove pairs and,
+separately, the add pairs (the direction is the same for every step of one pair of
+neighbouring datasets); the guarantee is the larger of the two profiles.
+
+**Discretisation (pessimistic: the reported epsilon is an upper bound).** Each step's pair is
+replaced by a discrete pair on the loss grid {i h} by *connecting the dots* (Doroshenko et
+al. 2022): its profile, as a function of x = e^eps, is the piecewise linear interpolation of
+the exact profile at the grid points, joined to (x=0, delta=1) on the left and constant
+beyond the last point. Because the exact profile is convex in x, the interpolation lies above
+it everywhere, so the discrete pair dominates the exact one; the mass on grid point i is
+x_i times the jump in slope there, and the profile value at the last point is mass at +inf.
+The grid covers the losses of all but ``tail_mass / (number of steps)`` of P's mass; the
+tail mass above is exactly the +inf mass, the mass below is moved up to the first point
+(more loss: pessimistic).
+
+**Composition.** The finite parts of the discrete PLDs are convolved by FFT on a window of N
+grid points, each step group's transform raised to its count (fast self-composition of
+identical steps), groups multiplied. The window is chosen by Chernoff bounds on the
+composed distribution so that the mass outside it is below ``tail_mass`` on each side.
+Cyclic aliasing can only add mass inside the window (never remove it), and the Chernoff
+bounds on the mass above and below the window are *added to delta*, so no truncated tail
+is lost. Infinite-loss masses compose as 1 - prod (1 - m_inf)^count. Steps with q = 1 are
+Gaussian mechanisms and compose exactly: T steps with noise multipliers z_t are one Gaussian
+mechanism with z = (sum_t z_t^-2)^(-1/2); a ledger of only such steps is priced in closed
+form, without discretisation.
+
+The only approximation that is not provably pessimistic is float64 rounding in the FFT
+(relative ~1e-16 per bin); negative FFT noise is clipped to zero.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import fft, optimize, signal, special
+
+from .. import _validation as check
+from .rdp import DEFAULT_MAX_GROUPS, DEFAULT_NOISE_RESOLUTION
+from .steps import Group, Source, group_steps
+
+DEFAULT_VALUE_DISCRETIZATION = 1e-4
+DEFAULT_TAIL_MASS = 1e-15
+MAX_FFT_SIZE = 1 << 20
+_SQRT2 = math.sqrt(2.0)
+_LOG_UNDERFLOW = -800.0  # e^-800 is below the smallest double
+
+
+# --------------------------------------------------------------------------- profiles
+
+def gaussian_delta(eps, z: float) -> np.ndarray:
+    """Privacy profile of the Gaussian mechanism with sensitivity 1 and noise std ``z``:
+    Phi(-eps z + 1/(2z)) - e^eps Phi(-eps z - 1/(2z)), without cancellation for large eps."""
+    eps = np.asarray(eps, dtype=float)
+    u = eps * z - 0.5 / z
+    v = eps * z + 0.5 / z
+    out = np.empty(np.broadcast(eps, u).shape)
+    tail = u >= 0
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+        # u >= 0: Phi(-u) - e^eps Phi(-v) = e^{-u^2/2} (erfcx(u/sqrt2) - erfcx(v/sqrt2)) / 2,
+        # since e^eps e^{-v^2/2} = e^{-u^2/2}
+        ut, vt = u[tail], v[tail]
+        out[tail] = 0.5 * np.exp(-0.5 * ut * ut) * (special.erfcx(ut / _SQRT2)
+                                                    - special.erfcx(vt / _SQRT2))
+        bulk = ~tail
+        out[bulk] = special.ndtr(-u[bulk]) - np.exp(eps[bulk] + special.log_ndtr(-v[bulk]))
+    out = np.where(np.isneginf(eps), 1.0, out)
+    return np.clip(out, 0.0, 1.0)
+
+
+def subsampled_gaussian_delta(eps, q: float, z: float, direction: str) -> np.ndarray:
+    """Privacy profile of one Poisson-subsampled Gaussian step, ``direction`` 'remove'
+    (mu_q vs mu_0) or 'add' (mu_0 vs mu_q); see the module docstring."""
+    eps = np.asarray(eps, dtype=float)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        if direction == "remove":
+            floor = math.log1p(-q) if q < 1 else -math.inf
+            inner = np.log1p(np.expm1(eps) / q)
+            out = np.where(eps > floor, q * gaussian_delta(inner, z), -np.expm1(eps))
+        elif direction == "add":
+            ceiling = -math.log1p(-q) if q < 1 else math.inf
+            inner = np.log1p(np.expm1(-eps) / q)
+            factor = -np.expm1(eps + math.log1p(-q)) if q < 1 else 1.0
+            out = np.where(eps < ceiling, factor * gaussian_delta(-inner, z), 0.0)
+        else:
+            raise ValueError(f"direction must be 'remove' or 'add', got {direction!r}")
+    return np.clip(out, 0.0, 1.0)
+
+
+def _loss(x, q: float, z: float) -> float:
+    """Privacy loss log(mu_q(x) / mu_0(x)) = log(1 - q + q e^{(2x - 1)/(2 z^2)})."""
+    a = (2 * x - 1) / (2 * z * z)
+    return float(np.logaddexp(math.log1p(-q) if q < 1 else -math.inf, math.log(q) + a))
+
+
+# --------------------------------------------------------------------------- discrete PLDs
+
+@dataclass(frozen=True)
+class DiscretePLD:
+    """A dominating discrete PLD: P-mass ``masses[i]`` at loss ``(offset + i) * h`` and
+    ``infinity_mass`` at loss +inf."""
+
+    offset: int
+    masses: np.ndarray
+    infinity_mass: float
+    h: float
+
+    @property
+    def losses(self) -> np.ndarray:
+        return (self.offset + np.arange(self.masses.size)) * self.h
+
+
+def connect_the_dots(profile, reverse_profile, lo: float, hi: float, h: float) -> DiscretePLD:
+    """The discrete PLD on grid {i h : lo <= i h <= hi} (outward-rounded) whose profile in
+    x = e^eps interpolates ``profile`` at the grid points, starts at (0, 1) and is constant
+    after the last point. Dominates the exact PLD when ``profile`` is a privacy profile.
+
+    The mass at an interior point is x_i times the jump in slope there, a second difference.
+    For eps < 0 it is taken of g(eps) = delta(eps) - (1 - e^eps) = e^eps delta_rev(-eps)
+    (``reverse_profile`` is the profile of the pair swapped) instead: the two differ by a
+    linear function of x, which has no slope jumps, and g is small where delta is near 1,
+    so the masses keep their precision there.
+    """
+    i0, i1 = math.floor(lo / h), max(math.ceil(hi / h), 1)  # the grid ends at a loss > 0
+    grid = np.arange(i0, i1 + 1) * h
+    n = grid.size
+    em1 = math.expm1(h)
+    ratio = math.exp(h) / em1
+    neg = int(np.searchsorted(grid, 0.0))  # grid[:neg] < 0 <= grid[neg:]
+    masses = np.empty(n)
+    # eps >= 0 (neg < n): second differences of delta itself
+    first = max(neg - 1, 0)
+    d = profile(grid[first:])
+    dd = np.diff(d)
+    right = np.append(dd / em1, 0.0)  # x_i times the slope right of point i
+    left = np.empty_like(d)           # x_i times the slope left of point i
+    left[0] = d[0] - 1.0              # the chord from (0, 1)
+    left[1:] = dd * ratio
+    masses[neg:] = (right - left)[neg - first:]
+    last_delta = float(d[-1])
+    if neg > 0:  # eps < 0: second differences of g
+        m = min(neg + 1, n)
+        g = np.exp(grid[:m]) * reverse_profile(-grid[:m])
+        dg = np.diff(g)
+        right = np.append(dg / em1, 0.0)
+        left = np.empty(m)
+        left[0] = g[0]
+        left[1:] = dg * ratio
+        masses[:neg] = (right - left)[:neg]
+    masses = np.maximum(masses, 0.0)
+    return DiscretePLD(i0, masses, last_delta, h)
+
+
+def subsampled_gaussian_pld(q: float, z: float, direction: str, h: float,
+                            tail_mass: float) -> DiscretePLD:
+    """Dominating discrete PLD of one step; the grid covers all but ``tail_mass`` of P."""
+    s = float(special.ndtri(1 - tail_mass)) if tail_mass > 1e-16 else \
+        float(-special.ndtri(tail_mass))
+    if direction == "remove":  # P = mu_q: losses increase with x
+        lo = max(math.log1p(-q) if q < 1 else -math.inf, _loss(-s * z, q, z))
+        hi = _loss(1 + s * z, q, z)
+    else:  # P = mu_0, loss is minus the remove loss, decreasing in x
+        lo = -_loss(s * z, q, z)
+        hi = min(-math.log1p(-q) if q < 1 else math.inf, -_loss(-s * z, q, z))
+    reverse = "add" if direction == "remove" else "remove"
+    return connect_the_dots(lambda e: subsampled_gaussian_delta(e, q, z, direction),
+                            lambda e: subsampled_gaussian_delta(e, q, z, reverse), lo, hi, h)
+
+
+# --------------------------------------------------------------------------- composition
+
+@dataclass(frozen=True)
+class ComposedPLD:
+    """A composed, dominating PLD: ``masses`` on losses ``(start + j) h`` for j < N, plus
+    ``extra_delta`` (infinite-loss mass and the bounds on mass outside the window) that is
+    added to every delta."""
+
+    start: int
+    masses: np.ndarray
+    extra_delta: float
+    h: float
+
+    @property
+    def losses(self) -> np.ndarray:
+        return (self.start + np.arange(self.masses.size)) * self.h
+
+    def delta(self, eps: float) -> float:
+        """delta(eps) = extra + sum over losses l > eps of m (1 - e^{eps - l})."""
+        losses = self.losses
+        above = losses > eps
+        value = np.dot(self.masses[above], -np.expm1(eps - losses[above]))
+        return min(1.0, float(value) + self.extra_delta)
+
+    def _grid_deltas(self) -> np.ndarray:
+        """delta at every grid loss l_k: extra + A_k - C_k with A_k = sum_{j>k} m_j and
+        C_k = sum_{j>k} m_j e^{-(j-k) h}, from the stable recurrence
+        C_k = e^{-h} (m_{k+1} + C_{k+1})."""
+        m = self.masses
+        shifted = np.append(m[1:], 0.0)[::-1]  # m_{k+1}, reversed
+        c = signal.lfilter([math.exp(-self.h)], [1.0, -math.exp(-self.h)], shifted)[::-1]
+        a = np.cumsum(shifted)[::-1]
+        return self.extra_delta + np.maximum(a - c, 0.0)
+
+    def epsilon(self, delta: float) -> float:
+        """Smallest eps >= 0 with self.delta(eps) <= delta (exact for this discrete PLD)."""
+        if self.extra_delta >= delta:
+            return math.inf
+        if self.delta(0.0) <= delta:
+            return 0.0
+        losses = self.losses
+        deltas = self._grid_deltas()
+        first = int(np.searchsorted(losses, 0.0, side="right"))  # first positive loss
+        # delta is non-increasing; the last grid point has delta = extra < target
+        k = first + int(np.argmax(deltas[first:] <= delta))
+        while k > first and self.delta(losses[k - 1]) <= delta:  # guard against rounding
+            k -= 1
+        while self.delta(losses[k]) > delta:
+            k += 1
+        # on (l_{k-1}, l_k] delta(eps) = extra + A - e^eps B with fixed A, B
+        left = losses[k - 1] if k > first else 0.0
+        masses, at = self.masses[k:], losses[k:]
+        a = float(masses.sum()) + self.extra_delta
+        b = float(np.dot(masses, np.exp(losses[k] - at)))  # e^{l_k} B
+        if b <= 0 or a <= delta:
+            return float(left)
+        eps = losses[k] + math.log((a - delta) / b)
+        return float(min(max(eps, left), losses[k]))
+
+
+def _composed_log_mgf(plds: list[tuple[DiscretePLD, int]], t: np.ndarray) -> np.ndarray:
+    """K(t) = sum_k count_k log sum_i m_ki e^{t l_ki} (finite parts), for each t (any sign).
+
+    One table of e^{t (i h) - shift_t} over the union of the grids serves every PLD (the
+    shift keeps every exponent <= 0); a t at which some PLD's sum underflows gets K = inf,
+    which only discards that t."""
+    h = plds[0][0].h
+    first = min(p.offset for p, _ in plds)
+    last = max(p.offset + p.masses.size for p, _ in plds)
+    losses = np.arange(first, last) * h
+    shift = np.where(t > 0, t * losses[-1], t * losses[0])
+    table = np.exp(t[:, None] * losses[None, :] - shift[:, None])
+    total = np.zeros_like(t)
+    for pld, count in plds:
+        sums = table[:, pld.offset - first: pld.offset - first + pld.masses.size] @ pld.masses
+        with np.errstate(divide="ignore"):
+            total += count * np.where(sums > 0, np.log(sums) + shift, math.inf)
+    return total
+
+
+def compose(plds: list[tuple[DiscretePLD, int]], tail_mass: float) -> ComposedPLD:
+    """Compose ``count`` copies of each discrete PLD (all on the same grid spacing)."""
+    h = plds[0][0].h
+    log_survive = sum(c * math.log1p(-p.infinity_mass) for p, c in plds)
+    infinity_mass = -math.expm1(log_survive)
+    # Chernoff bounds for the window [b_lo, b_hi] of the composed finite part:
+    # mass above b <= exp(K(t) - t b), mass below b <= exp(K(-t) + t b), for t > 0
+    var = 0.0
+    for p, c in plds:
+        total = max(float(p.masses.sum()), 1e-300)
+        mean = float(np.dot(p.masses, p.losses)) / total
+        var += c * float(np.dot(p.masses, (p.losses - mean) ** 2)) / total
+    sd = max(math.sqrt(var), h)
+    t = math.sqrt(2 * math.log(1 / tail_mass)) / sd * np.geomspace(2e-3, 3.0, 10)
+    k = _composed_log_mgf(plds, np.concatenate([t, -t]))
+    k_up, k_down = k[:t.size], k[t.size:]
+    log_tail = math.log(tail_mass)
+    b_hi = float(np.min((k_up - log_tail) / t))
+    b_lo = float(np.max((log_tail - k_down) / t))
+    start, stop = math.floor(b_lo / h), math.ceil(b_hi / h)
+    size = fft.next_fast_len(stop - start + 1, real=True)
+    if size > MAX_FFT_SIZE:
+        raise _GridTooFine(size)
+    stop = start + size - 1
+    # rigorous bounds on the mass outside [start, stop] * h, at the final edges
+    with np.errstate(over="ignore"):
+        upper = float(np.min(np.exp(k_up - t * (stop + 1) * h)))
+        lower = float(np.min(np.exp(k_down + t * (start - 1) * h)))
+    # prod_k rfft(m_k)^count_k, in polar form and only at frequencies whose modulus has
+    # not yet underflowed (a composition of many steps is smooth: few frequencies survive)
+    log_modulus = np.zeros(size // 2 + 1)
+    phase = np.zeros(size // 2 + 1)
+    alive = np.arange(size // 2 + 1)
+    for pld, count in plds:
+        index = (pld.offset + np.arange(pld.masses.size)) % size
+        transform = fft.rfft(np.bincount(index, weights=pld.masses, minlength=size))[alive]
+        with np.errstate(divide="ignore"):
+            log_modulus[alive] += count * np.log(np.abs(transform))
+        phase[alive] += count * np.angle(transform)
+        alive = alive[log_modulus[alive] > _LOG_UNDERFLOW]
+    product = np.zeros(size // 2 + 1, dtype=complex)
+    product[alive] = np.exp(log_modulus[alive] + 1j * np.mod(phase[alive], 2 * math.pi))
+    cyclic = fft.irfft(product, n=size)
+    window = np.maximum(np.roll(cyclic, -(start % size)), 0.0)
+    return ComposedPLD(start, window, infinity_mass + upper + lower, h)
+
+
+class _GridTooFine(Exception):
+    def __init__(self, size):
+        self.size = size
+
+
+# --------------------------------------------------------------------------- accountant
+
+class PLDAccountant:
+    """Privacy loss distribution accountant for Poisson-subsampled Gaussian steps.
+
+    ``source``: a ledger, ledger path or sequence of steps (:mod:`dpcore.accounting.steps`).
+    ``value_discretization`` is the loss grid spacing h (it is coarsened, by powers of two,
+    only if the composed distribution would need more than ``MAX_FFT_SIZE`` grid points;
+    the bound stays valid, only less tight). ``tail_mass`` bounds the truncated tails, which
+    are added to delta. With more than ``max_groups`` distinct (q, z) pairs, z is rounded
+    down onto a grid of relative resolution ``noise_resolution`` (conservative).
+    """
+
+    name = "pld"
+
+    def __init__(self, source: Source = (), *,
+                 value_discretization: float = DEFAULT_VALUE_DISCRETIZATION,
+                 tail_mass: float = DEFAULT_TAIL_MASS,
+                 noise_resolution: float | None = DEFAULT_NOISE_RESOLUTION,
+                 max_groups: int = DEFAULT_MAX_GROUPS):
+        self.value_discretization = check.positive("value_discretization", value_discretization)
+        self.tail_mass = check.probability("tail_mass", tail_mass)
+        self.noise_resolution = noise_resolution
+        self.max_groups = max_groups
+        self._groups: dict[tuple[float, float], int] = {}
+        self.steps = 0
+        self.infinite = False
+        self.rounded = False
+        self._composed: dict[str, ComposedPLD] | None = None
+        self.compose(source)
+
+    def compose(self, source: Source) -> "PLDAccountant":
+        """Add the steps of ``source`` (returns ``self``)."""
+        composition = group_steps(source, noise_resolution=self.noise_resolution,
+                                  max_groups=self.max_groups)
+        self.steps += composition.steps
+        self.infinite = self.infinite or composition.infinite
+        self.rounded = self.rounded or composition.rounded
+        for g in composition.groups:
+            self._groups[(g.q, g.noise_multiplier)] = self._groups.get((g.q, g.noise_multiplier), 0) + g.count
+        self._composed = None
+        return self
+
+    def _gaussian_and_rest(self) -> tuple[float, list[Group]]:
+        """Noise multiplier of all q = 1 steps merged (inf if none), and the other groups."""
+        inverse_square = sum(c / (z * z) for (q, z), c in self._groups.items() if q == 1)
+        z = math.inf if inverse_square == 0 else inverse_square ** -0.5
+        rest = [Group(q, z_, c) for (q, z_), c in sorted(self._groups.items()) if q < 1]
+        return z, rest
+
+    def _compose_all(self) -> dict[str, ComposedPLD]:
+        if self._composed is None:
+            gaussian_z, rest = self._gaussian_and_rest()
+            groups = rest + ([Group(1.0, gaussian_z, 1)] if math.isfinite(gaussian_z) else [])
+            total = sum(g.count for g in groups)
+            per_step = self.tail_mass / max(total, 1)
+            h = self.value_discretization
+            while True:
+                try:
+                    self._composed = {
+                        direction: compose(
+                            [(subsampled_gaussian_pld(g.q, g.noise_multiplier, direction, h,
+                                                      per_step), g.count) for g in groups],
+                            self.tail_mass)
+                        for direction in ("remove", "add")}
+                    break
+                except _GridTooFine as exc:
+                    h *= 2 ** math.ceil(math.log2(exc.size / MAX_FFT_SIZE) + 1e-9)
+        return self._composed
+
+    def _trivial(self):
+        """'zero' if nothing costs anything, 'inf' if some step was noiseless, 'gaussian' for
+        only q = 1 steps (closed form), else None."""
+        if self.infinite:
+            return "inf"
+        if not self._groups:
+            return "zero"
+        if all(q == 1 for q, _ in self._groups):
+            return "gaussian"
+        return None
+
+    def epsilon(self, delta: float) -> float:
+        """Smallest epsilon this accountant certifies at ``delta`` (an upper bound on the
+        exact epsilon)."""
+        delta = check.delta("delta", delta)
+        trivial = self._trivial()
+        if trivial == "inf":
+            return math.inf
+        if trivial == "zero":
+            return 0.0
+        if trivial == "gaussian":
+            return gaussian_epsilon(self._gaussian_and_rest()[0], delta)
+        return max(pld.epsilon(delta) for pld in self._compose_all().values())
+
+    def delta(self, epsilon: float) -> float:
+        """Smallest delta this accountant certifies at ``epsilon`` (an upper bound)."""
+        epsilon = check.non_negative("epsilon", epsilon, allow_inf=True)
+        trivial = self._trivial()
+        if math.isinf(epsilon):
+            return 0.0
+        if trivial == "inf":
+            return 1.0
+        if trivial == "zero":
+            return 0.0
+        if trivial == "gaussian":
+            return float(gaussian_delta(epsilon, self._gaussian_and_rest()[0]))
+        return max(pld.delta(epsilon) for pld in self._compose_all().values())
+
+
+def gaussian_epsilon(z: float, delta: float) -> float:
+    """Exact epsilon of the Gaussian mechanism with noise multiplier ``z`` at ``delta``,
+    rounded up so that gaussian_delta(epsilon, z) <= delta."""
+    if gaussian_delta(0.0, z) <= delta:
+        return 0.0
+    hi = 1.0
+    while gaussian_delta(hi, z) > delta:
+        hi *= 2
+    root = optimize.brentq(lambda e: float(gaussian_delta(e, z)) - delta, 0.0, hi,
+                           xtol=1e-14, rtol=1e-14)
+    while gaussian_delta(root, z) > delta:
+        root = math.nextafter(root, math.inf) * (1 + 1e-15)
+    return float(root)
