@@ -166,6 +166,5 @@ def test_adaptive_clipping_moves_the_clip_without_retracing(backend):
     assert len(set(clips)) == 3
     groups = {e.group for e in agg.ledger.events if hasattr(e, "group")}
     assert any(g.startswith("unclipped_count:") for g in groups)
-    compiled = [f for per in backend._compiled.values() for k, f in per.items()
-                if k[0] == "private"]
+    compiled = [f for k, f in backend._compiled[loss].items() if k[0] == "private"]
     assert sum(f.experimental_get_tracing_count() for f in compiled) == 1
