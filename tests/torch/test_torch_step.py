@@ -188,3 +188,44 @@ def test_backend_contract():
         loss_fn({"w": wi}, x[i:i + 1]).sum().backward()
         torch.testing.assert_close(grads["w"][i], wi.grad, rtol=1e-12, atol=0)
     assert backend.per_example_grads(loss_fn, {"w": w}, x[:0])["w"].shape == (0, 3, 2)
+
+
+def test_target_epsilon_calibrates_the_noise_up_front():
+    from dpcore import accounting
+
+    ds = data(100)
+    model = mlp()
+    model, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      DataLoader(ds, batch_size=10), target_epsilon=2.0,
+                                      target_delta=1e-5, epochs=3, max_grad_norm=1.0, seed=0)
+    for _ in range(3):
+        for x, y in loader:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert len(opt.ledger.steps()) == 1 and opt.ledger.steps()[0].count == 30
+    eps = opt.epsilon(1e-5)
+    assert eps <= 2.0 and eps == pytest.approx(2.0, rel=1e-3)
+    assert eps == accounting.epsilon(opt.ledger, 1e-5)
+    with pytest.raises(ValueError, match="exactly one"):
+        make_private(mlp(), torch.optim.SGD(mlp().parameters(), lr=0.1), DataLoader(ds),
+                     max_grad_norm=1.0)
+
+
+def test_the_main_job_runs(tmp_path, capsys):
+    pytest.importorskip("sklearn")
+    pytest.importorskip("matplotlib")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "digits.py"
+    spec = importlib.util.spec_from_file_location("digits_example", path)
+    digits = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(digits)
+    ledger, plot = tmp_path / "ledger.jsonl", tmp_path / "eps.png"
+    digits.main(["--epochs", "2", "--epsilon", "4", "--ledger", str(ledger), "--plot", str(plot)])
+    out = capsys.readouterr().out
+    assert "test accuracy" in out and "non-private" in out
+    assert plot.stat().st_size > 0
+    steps = dpcore.read_ledger(ledger).steps()
+    assert sum(s.count for s in steps) == 2 * 22  # round(1437 / 64) steps per epoch
