@@ -1,0 +1,109 @@
+"""Ledger in, epsilon out: guarantee(), epsilon(), delta_for_epsilon(), remaining_steps()."""
+
+import math
+
+import pytest
+
+from dpcore.accounting import (Guarantee, delta_for_epsilon, epsilon, guarantee,
+                               make_accountant, remaining_steps)
+from dpcore.ledger import Ledger, LedgerError, Step, SumQueryEvent, read_ledger
+
+
+def multi_group_ledger(path=None, steps=200):
+    ledger = Ledger(path)
+    for _ in range(steps):
+        ledger.record_sampling(0.01, 10000)
+        ledger.record_sum_queries([SumQueryEvent("layer1", 1.0, 2.0),
+                                   SumQueryEvent("layer2", 0.5, 1.5),
+                                   SumQueryEvent("count", 0.5, 10.0)])
+    return ledger
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_multi_group_ledger_equals_one_query_with_eq1_z(accountant):
+    z = ((1.0 / 2.0) ** 2 + (0.5 / 1.5) ** 2 + (0.5 / 10.0) ** 2) ** -0.5
+    ours = epsilon(multi_group_ledger(), 1e-5, accountant=accountant)
+    assert ours == epsilon([(0.01, z, 200)], 1e-5, accountant=accountant)
+
+
+def test_ledger_file_and_object_agree(tmp_path):
+    path = tmp_path / "run.jsonl"
+    multi_group_ledger(path).close()
+    from_file = guarantee(path, 1e-6)
+    from_object = guarantee(read_ledger(path), 1e-6)
+    assert from_file == from_object
+    assert from_file.steps == 200 and from_file.accountant == "pld"
+    assert guarantee(str(path), 1e-6, accountant="rdp").order is not None
+
+
+def test_steps_that_released_nothing_are_free():
+    ledger = Ledger()
+    for _ in range(50):
+        ledger.record_sampling(0.5, 100)  # sampled, but no sum query released
+    assert epsilon(ledger, 1e-5) == 0.0
+    ledger.record_sum_queries([SumQueryEvent("g", 1.0, 0.0)])  # a noiseless release
+    assert epsilon(ledger, 1e-5) == math.inf
+    assert guarantee(ledger, 1e-5).to_json()["epsilon"] == "inf"
+
+
+def test_accountants_check_the_neighbouring_relation():
+    ledger = multi_group_ledger(steps=2)
+    ledger.header = _FakeHeader()
+    with pytest.raises(LedgerError, match="replace_one"):
+        epsilon(ledger, 1e-5)
+
+
+class _FakeHeader:
+    neighbouring = "replace_one"
+
+
+def test_delta_for_epsilon_inverts_epsilon():
+    ledger = multi_group_ledger()
+    eps = epsilon(ledger, 1e-6)
+    assert delta_for_epsilon(ledger, eps) <= 1e-6 * (1 + 1e-9)
+    assert delta_for_epsilon(ledger, eps, accountant="rdp") >= delta_for_epsilon(ledger, eps)
+
+
+def test_remaining_steps_fits_the_budget_exactly():
+    past = [Step(0.01, 1.0, 300)]
+    k = remaining_steps(past, 0.01, 1.0, 2.0, 1e-5)
+    assert epsilon(past + [(0.01, 1.0, k)], 1e-5) <= 2.0
+    assert epsilon(past + [(0.01, 1.0, k + 1)], 1e-5) > 2.0
+    assert remaining_steps([], 0.01, 1.0, 2.0, 1e-5) == k + 300
+
+
+def test_remaining_steps_edge_cases():
+    spent = [Step(0.5, 0.5, 100)]
+    assert remaining_steps(spent, 0.01, 1.0, 1.0, 1e-5) == 0
+    assert remaining_steps([], 0.0, 1.0, 1.0, 1e-5, max_steps=1000) == 1000
+    assert remaining_steps([], 0.1, math.inf, 1.0, 1e-5, max_steps=77) == 77
+    assert remaining_steps([], 0.1, 0.0, 1.0, 1e-5) == 0
+    assert remaining_steps([], 1e-6, 50.0, 1.0, 1e-5, max_steps=500) == 500
+
+
+def test_guarantee_fields():
+    g = guarantee([(256 / 60000, 1.1, 14063)], 1e-5, accountant="rdp")
+    assert isinstance(g, Guarantee)
+    assert g.epsilon == pytest.approx(2.5966, abs=1e-3) and g.order == 8.1 and not g.rounded
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda: epsilon([(0.1, 1.0, 10)], 0.0), ValueError, r"delta must be in \(0, 1\)"),
+    (lambda: epsilon([(0.1, 1.0, 10)], 1.0), ValueError, r"delta must be in \(0, 1\)"),
+    (lambda: epsilon([(0.1, 1.0, 10)], 1e-5, accountant="moments"), ValueError,
+     "accountant must be one of"),
+    (lambda: delta_for_epsilon([(0.1, 1.0, 10)], -1.0), ValueError, "epsilon must be"),
+    (lambda: remaining_steps([], 0.1, 1.0, -1.0, 1e-5), ValueError, "target_epsilon must be"),
+    (lambda: remaining_steps([], 1.1, 1.0, 1.0, 1e-5), ValueError, "q"),
+    (lambda: epsilon([(0.1, 1.0, 2.5)], 1e-5), TypeError, "steps must be an integer"),
+    (lambda: epsilon([(0.1,)], 1e-5), TypeError, r"\(q, z\[, count\]\)"),
+    (lambda: epsilon("/nonexistent/ledger.jsonl", 1e-5), LedgerError, "cannot read ledger"),
+])
+def test_bad_input(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_make_accountant_passes_options():
+    acc = make_accountant([(0.01, 1.0, 10)], "rdp", orders=[2, 4, 8])
+    assert list(acc.orders) == [2, 4, 8]
