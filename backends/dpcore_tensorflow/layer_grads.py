@@ -23,6 +23,7 @@ gradient is sum_t xhat_it * g_it and the offset's sum_t g_it.
 
 from __future__ import annotations
 
+import math
 import string
 
 import tensorflow as tf
@@ -85,13 +86,24 @@ class DenseKernel:
     by ``perm`` (EinsumDense kernels whose axes are not in (contracted, output) order).
     ``mode``: ``"ghost"``, ``"materialise"`` or ``"auto"`` (the cheaper, :func:`ghost_is_cheaper`)."""
 
-    def __init__(self, a: tf.Tensor, g: tf.Tensor, shape, *, perm=None, mode: str = "auto"):
+    def __init__(self, a, g: tf.Tensor, shape, *, perm=None, mode: str = "auto"):
+        """``a`` is the (B, T, d_in) input, or a function that forms it on demand together
+        with the (B, d_in, d_out) per-example gradients (layers with a faster way to form
+        those than from ``a``, such as convolutions): ``a(need_rows) -> (a or None, rows)``."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.a, self.g, self.shape, self.perm = a, g, tuple(shape), perm
+        self.g, self.shape, self.perm = g, tuple(shape), perm
+        d_in = math.prod(self.shape) // g.shape[2]
+        positions = g.shape[1]
         self.ghost = (mode == "ghost" or mode == "auto"
-                      and ghost_is_cheaper(a.shape[1], a.shape[2], g.shape[2]))
-        self._rows = None if self.ghost else tf.einsum("bti,bto->bio", a, g)
+                      and ghost_is_cheaper(positions, d_in, g.shape[2]))
+        if callable(a):
+            self.a, rows = a(not self.ghost)
+        else:
+            self.a, rows = a, None
+        if not self.ghost and rows is None:
+            rows = tf.einsum("bti,bto->bio", self.a, g)
+        self._rows = rows
 
     def _arrange(self, kernel: tf.Tensor, batched: bool) -> tf.Tensor:
         kernel = tf.reshape(kernel, ((-1,) if batched else ()) + self.shape)

@@ -190,8 +190,8 @@ class EinsumDenseTap(_Tap):
 
 class ConvTap(_Tap):
     """Conv1D/Conv2D as a matmul of image patches (B, T = output pixels, k_h k_w C_in) with the
-    kernel reshaped to (k_h k_w C_in, C_out); patches are extracted in the norm computation,
-    not in the forward pass."""
+    kernel reshaped to (k_h k_w C_in, C_out); the patches are formed after the backward pass,
+    from the saved input, and only when the ghost norm is the cheaper choice."""
 
     cls = (layers.Conv1D, layers.Conv2D)
 
@@ -224,21 +224,48 @@ class ConvTap(_Tap):
             return _activate(layer, recorder.add(layer, (inputs, padding), z))
         return call
 
-    def _patches(self, layer, x, padding):
+    def _windows(self, layer, x, padding, out_size):
+        """The k_h k_w input windows, each (B, T, C_in): x at kernel offset (i, j) for every
+        output position, in kernel order (an explicit im2col by strided slices, much faster
+        on CPU than ``tf.image.extract_patches``)."""
         x = self._channels_last(layer, x)
         sizes, strides, rates = layer.kernel_size, layer.strides, layer.dilation_rate
         if layer.rank == 1:
             x, sizes, strides, rates = x[:, None], (1, *sizes), (1, *strides), (1, *rates)
-        patches = tf.image.extract_patches(x, sizes=[1, *sizes, 1], strides=[1, *strides, 1],
-                                           rates=[1, *rates, 1], padding=padding.upper())
-        return _rows(patches, patches.shape[-1])
+            out_size = (1, *out_size)
+        if padding == "same":
+            pads = [[0, 0]]
+            for n, o, k, s, r in zip(x.shape[1:3], out_size, sizes, strides, rates):
+                total = max((o - 1) * s + (k - 1) * r + 1 - n, 0)
+                pads.append([total // 2, total - total // 2])
+            x = tf.pad(x, pads + [[0, 0]])
+        batch, channels = tf.shape(x)[0], x.shape[-1]
+        windows = []
+        for i in range(sizes[0]):
+            for j in range(sizes[1]):
+                top, left = i * rates[0], j * rates[1]
+                window = x[:, top:top + (out_size[0] - 1) * strides[0] + 1:strides[0],
+                           left:left + (out_size[1] - 1) * strides[1] + 1:strides[1], :]
+                windows.append(tf.reshape(window, [batch, -1, channels]))
+        return windows
 
     def grads(self, layer, saved, gs, mode):
-        a = tf.concat([self._patches(layer, x, padding) for x, padding in saved], axis=1)
-        g = tf.concat([_rows(self._channels_last(layer, gz), layer.filters) for gz in gs], axis=1)
+        g_calls = [self._channels_last(layer, gz) for gz in gs]
+        g = tf.concat([_rows(gz, layer.filters) for gz in g_calls], axis=1)
+
+        def inputs(need_rows):
+            calls = [self._windows(layer, x, padding, gz.shape[1:-1])
+                     for (x, padding), gz in zip(saved, g_calls)]
+            if need_rows:  # sum_t x_t g_t^T, one batched matmul per kernel offset
+                gz_rows = [_rows(gz, layer.filters) for gz in g_calls]
+                rows = tf.add_n([tf.concat([tf.matmul(w, gr, transpose_a=True) for w in win],
+                                           axis=1) for win, gr in zip(calls, gz_rows)])
+                return None, rows
+            return tf.concat([tf.concat(win, axis=-1) for win in calls], axis=1), None
+
         out = {}
         if layer.kernel.trainable:
-            out[layer.kernel.path] = lg.DenseKernel(a, g, layer.kernel.shape, mode=mode)
+            out[layer.kernel.path] = lg.DenseKernel(inputs, g, layer.kernel.shape, mode=mode)
         if layer.use_bias and layer.bias.trainable:
             out[layer.bias.path] = lg.Materialised(tf.reduce_sum(g, axis=1), layer.bias.shape)
         return out
