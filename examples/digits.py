@@ -93,7 +93,62 @@ def train_torch(data, args, *, private: bool, progress: bool = True):
     return float((pred == y_test).mean()), eps, curve
 
 
-BACKENDS = {"torch": train_torch}
+# ---------------------------------------------------------------------------------- tensorflow
+
+def keras_model():
+    """The same network in Keras (channels last): conv 1->8 3x3 (tanh), max-pool 2, dense 128->10."""
+    import keras
+
+    return keras.Sequential([keras.Input((8, 8, 1)),
+                             keras.layers.Conv2D(8, 3, padding="same", activation="tanh"),
+                             keras.layers.MaxPooling2D(), keras.layers.Flatten(),
+                             keras.layers.Dense(10)])
+
+
+def train_tensorflow(data, args, *, private: bool, progress: bool = True):
+    """Train with Keras ``fit``; return (test accuracy, epsilon or inf, [(step, epsilon)] or [])."""
+    import keras
+
+    x_train, x_test, y_train, y_test = data
+    x_train, x_test = x_train.transpose(0, 2, 3, 1), x_test.transpose(0, 2, 3, 1)
+    keras.utils.set_random_seed(args.seed)
+    model = keras_model()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    optimizer = keras.optimizers.SGD(args.lr, momentum=args.momentum)
+    steps = max(1, round(len(x_train) / args.batch_size))
+    curve, eps = [], math.inf
+    if private:
+        from dpcore.accounting import calibrate_noise_multiplier, epsilon
+        from dpcore_tensorflow import make_private
+
+        q = args.batch_size / len(x_train)
+        z = calibrate_noise_multiplier(args.epsilon, DELTA, q=q, steps=steps * args.epochs,
+                                       accountant=args.accountant)
+        model = make_private(model, n=len(x_train), q=q, max_grad_norm=args.clip,
+                             noise_multiplier=z, ledger=args.ledger,
+                             seed=args.seed if args.deterministic else None)
+
+        class Epsilon(keras.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                curve.append(((epoch + 1) * steps,
+                              epsilon(model.aggregator.ledger, DELTA, accountant=args.accountant)))
+                if progress:
+                    print(f"DP eps={args.epsilon:g} epoch {epoch + 1}: loss {logs['loss']:.3f}, "
+                          f"epsilon so far {curve[-1][1]:.3f}")
+        model.compile(optimizer=optimizer, loss=loss)
+        model.fit(x_train, y_train, epochs=args.epochs, steps_per_epoch=steps, verbose=0,
+                  callbacks=[Epsilon()])
+        model.aggregator.ledger.close()
+        eps = curve[-1][1]
+    else:
+        model.compile(optimizer=optimizer, loss=loss)
+        model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
+                  verbose=2 if progress else 0)
+    pred = np.asarray(model.predict(x_test, verbose=0)).argmax(1)
+    return float((pred == y_test).mean()), eps, curve
+
+
+BACKENDS = {"torch": train_torch, "tensorflow": train_tensorflow}
 
 
 # --------------------------------------------------------------------------------------- main
