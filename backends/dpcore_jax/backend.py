@@ -22,7 +22,7 @@ import numpy as np
 
 from dpcore import backend as contract
 
-from dpcore.aggregation import per_leaf_sq_norms
+from dpcore.aggregation import NonFiniteNormError, per_leaf_sq_norms
 
 from .names import leaf_names, named_leaves
 
@@ -95,18 +95,27 @@ class JaxBackend(contract.Backend):
         return named_leaves(_per_example_grads_jit(loss_fn, params, batch))
 
     def per_example_sq_norms(self, loss_fn: Callable, params: Mapping[str, Any], batch):
-        """Squared per-example gradient norms (B, L), leaves in :func:`leaf_names` order."""
-        return per_leaf_sq_norms(self.per_example_grads(loss_fn, params, batch),
-                                 leaf_names(params))
+        """Squared per-example gradient norms (B, L): columns in ``params`` order for a flat
+        mapping name -> array (the contract), else in :func:`leaf_names` order."""
+        names = leaf_names(params)
+        if isinstance(params, Mapping) and sorted(params) == sorted(names):
+            names = list(params)
+        return per_leaf_sq_norms(self.per_example_grads(loss_fn, params, batch), names)
 
     def private_gradient(self, loss_fn: Callable, params: Mapping[str, Any], batch, aggregator,
                          *, mask=None) -> dict:
-        """``{leaf name: private mean gradient}`` by the fused compiled step (one per
-        ``loss_fn`` and aggregator, see :class:`dpcore_jax.private_grad.PrivateGrad`) when
-        the aggregator draws its noise from this backend; otherwise the core's generic path
-        on :meth:`per_example_grads`."""
-        if not isinstance(aggregator.backend, JaxBackend):
-            return super().private_gradient(loss_fn, params, batch, aggregator, mask=mask)
-        from .grad import private_grad_for
+        """``{leaf name: private mean gradient}``: the compiled clipping kernel (ghost norms and
+        book-keeping sums, :mod:`dpcore_jax.clipping`, one program per ``loss_fn``, mechanism
+        and batch shape), then ``aggregator.release_sums``, which writes the ledger, adds the
+        noise from the aggregator's generator and divides by q n. Going through the
+        aggregator keeps every clipping policy it supports (schedules, adaptive clipping);
+        :class:`dpcore_jax.PrivateStep` fuses the noise and the update into the program too."""
+        from .grad import clipping_kernel
 
-        return named_leaves(private_grad_for(loss_fn, aggregator)(params, batch, mask=mask))
+        mechanism = aggregator.mechanism
+        sums, nonfinite, factors = clipping_kernel(loss_fn, mechanism)(params, batch, mask)
+        if aggregator.on_nonfinite == "raise" and int(nonfinite):
+            raise NonFiniteNormError(
+                f"{int(nonfinite)} record(s) of this batch have a NaN or infinite gradient "
+                f"norm; fix the model or loss, or pass on_nonfinite='drop'")
+        return aggregator.release_sums(named_leaves(sums), factors=factors, mask=mask)

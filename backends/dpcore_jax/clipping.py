@@ -18,6 +18,7 @@ divides by the public expected size q n. Everything here is pure and can run und
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
@@ -59,7 +60,7 @@ def _chunk(loss_fn, mechanism, method, params, batch, mask):
         grads = named_leaves(jax.vmap(jax.grad(one_example_loss(loss_fn)), in_axes=(None, 0))(
             params, batch))
         sites, fallback_grads, site_grads, acts = (), grads, {}, {}
-        sq = {leaf: jnp.sum(g.reshape(rows, -1) ** 2, axis=1) for leaf, g in grads.items()}
+        sq = {leaf: jnp.sum(g.reshape(rows, math.prod(g.shape[1:])) ** 2, axis=1) for leaf, g in grads.items()}
     else:
         example = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
         plan = ghost.plan(loss_fn, jax.tree_util.tree_map(_spec, params), example)
@@ -74,7 +75,7 @@ def _chunk(loss_fn, mechanism, method, params, batch, mask):
                 sites.append(site)
             else:
                 fallback_grads[site.leaf] = formed
-        sq.update({leaf: jnp.sum(g.reshape(rows, -1) ** 2, axis=1)
+        sq.update({leaf: jnp.sum(g.reshape(rows, math.prod(g.shape[1:])) ** 2, axis=1)
                    for leaf, g in fallback_grads.items() if leaf not in sq})
     dtype = jnp.result_type(jnp.float32, *[v.dtype for v in sq.values()])
     zero = jnp.zeros((rows,), dtype)
@@ -96,14 +97,14 @@ def _chunk(loss_fn, mechanism, method, params, batch, mask):
         if leaf not in sums:
             sums[leaf] = jnp.zeros_like(named[leaf])
     sums = {leaf: sums[leaf].astype(named[leaf].dtype) for leaf in leaves}
-    return sums, nonfinite
+    return sums, nonfinite, factors
 
 
 def clipped_sums(loss_fn: Callable, mechanism: Mechanism, *, chunk_size: int | None = None,
-                 method: str = "ghost") -> Callable:
+                 method: str = "ghost", with_factors: bool = False) -> Callable:
     """A pure function ``(params, batch, mask) -> (sums, nonfinite)``: the clipped per-leaf
     sums as a pytree like ``params`` and the number of real rows with a non-finite norm
-    (given weight 0). ``loss_fn(params, batch) -> (B,)`` is the per-record loss; ``mask``
+    (given weight 0); ``with_factors=True`` appends the clip factors (B, G). ``loss_fn(params, batch) -> (B,)`` is the per-record loss; ``mask``
     (B,) bool marks real rows (None: all). ``method`` is ``"ghost"`` (norms and sums from
     each leaf's operation, see :mod:`dpcore_jax.ghost`) or ``"vmap"`` (per-example
     gradients of every leaf). With ``chunk_size``, B must be a multiple of it."""
@@ -122,8 +123,8 @@ def clipped_sums(loss_fn: Callable, mechanism: Mechanism, *, chunk_size: int | N
         if mask.shape != (rows,):
             raise ValueError(f"mask must have shape ({rows},) like the batch, got {mask.shape}")
         if chunk_size is None or chunk_size >= rows:
-            sums, nonfinite = _chunk(loss_fn, mechanism, method, params, batch, mask)
-            return unflatten_like(params, sums), nonfinite
+            sums, nonfinite, factors = _chunk(loss_fn, mechanism, method, params, batch, mask)
+            return _result(params, sums, nonfinite, factors)
         if rows % chunk_size:
             raise ValueError(f"a batch of {rows} rows cannot be split into chunks of "
                              f"{chunk_size}; pad it to a multiple (see dpcore_jax.batching)")
@@ -131,14 +132,19 @@ def clipped_sums(loss_fn: Callable, mechanism: Mechanism, *, chunk_size: int | N
 
         def body(carry, xs):
             chunk_batch, chunk_mask = xs
-            sums, nonfinite = _chunk(loss_fn, mechanism, method, params, chunk_batch, chunk_mask)
+            sums, nonfinite, factors = _chunk(loss_fn, mechanism, method, params, chunk_batch,
+                                              chunk_mask)
             total, count = carry
-            return ({leaf: total[leaf] + sums[leaf] for leaf in total}, count + nonfinite), None
+            return ({leaf: total[leaf] + sums[leaf] for leaf in total}, count + nonfinite), factors
 
         init = ({leaf: jnp.zeros_like(a) for leaf, a in named_leaves(params).items()}, jnp.zeros((), jnp.int32))
-        (sums, nonfinite), _ = jax.lax.scan(
+        (sums, nonfinite), factors = jax.lax.scan(
             body, init, (jax.tree_util.tree_map(split, batch), split(mask)))
-        return unflatten_like(params, sums), nonfinite
+        return _result(params, sums, nonfinite, factors.reshape(rows, factors.shape[-1]))
+
+    def _result(params, sums, nonfinite, factors):
+        out = (unflatten_like(params, sums), nonfinite)
+        return out + (factors,) if with_factors else out
 
     return run
 

@@ -219,10 +219,10 @@ def _dot_factors(site: Site, acts, g):
     a2 = jnp.transpose(a, [0, *(1 + d for d in a_free), *(1 + d for d in a_contract)])
     a2 = a2.reshape(batch, size_p, size_c)
     if site.position == 1:  # out = (a free..., W free...)
-        g2 = g.reshape(batch, size_p, -1)
+        g2 = g.reshape(batch, size_p, math.prod(g.shape[1:]) // size_p)
     else:                   # out = (W free..., a free...)
         order = [*range(1 + n_w_free, g.ndim), *range(1, 1 + n_w_free)]
-        g2 = jnp.transpose(g, [0, *order]).reshape(batch, size_p, -1)
+        g2 = jnp.transpose(g, [0, *order]).reshape(batch, size_p, math.prod(g.shape[1:]) // size_p)
     return a2, g2
 
 
@@ -255,7 +255,7 @@ def _row_gather_ids(site: Site, acts):
     if indices.shape[-1] != 1 or tuple(dims.offset_dims) != (indices.ndim - 1,):
         return None
     ids = jnp.clip(indices[..., 0], 0, weight.shape[0] - 1)
-    return ids.reshape(ids.shape[0], -1)
+    return ids.reshape(ids.shape[0], math.prod(ids.shape[1:]))
 
 
 def site_norms_and_grads(site: Site, weight, acts, g):
@@ -268,11 +268,11 @@ def site_norms_and_grads(site: Site, weight, acts, g):
             return _dot_sq_norms(*factors), None
     ids = _row_gather_ids(site, acts)
     if ids is not None:
-        rows = g.reshape(batch, ids.shape[1], -1)
+        rows = g.reshape(batch, ids.shape[1], math.prod(g.shape[1:]) // ids.shape[1])
         same = (ids[:, :, None] == ids[:, None, :]).astype(rows.dtype)
         return jnp.sum(same * jnp.einsum("bpd,bqd->bpq", rows, rows), axis=(1, 2)), None
     per_example = _vjp_per_example(site, weight, acts, g)
-    return jnp.sum(per_example.reshape(batch, -1) ** 2, axis=1), per_example
+    return jnp.sum(per_example.reshape(batch, math.prod(per_example.shape[1:])) ** 2, axis=1), per_example
 
 
 def site_weighted_sum(site: Site, weight, acts, g, weights):

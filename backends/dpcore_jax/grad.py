@@ -13,7 +13,7 @@ gives those records weight 0 and needs no read-back.
 
 from __future__ import annotations
 
-import weakref
+import functools
 from typing import Callable
 
 import jax
@@ -114,15 +114,7 @@ def private_grad(loss_fn: Callable, aggregator, *, chunk_size: int | None = None
     return PrivateGrad(loss_fn, aggregator, chunk_size=chunk_size, method=method)
 
 
-_by_aggregator: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def private_grad_for(loss_fn: Callable, aggregator) -> PrivateGrad:
-    """The cached :class:`PrivateGrad` of (``loss_fn``, ``aggregator``), so that repeated
-    :meth:`JaxBackend.private_gradient` calls reuse one compiled program."""
-    table = _by_aggregator.setdefault(aggregator, {})
-    cached = table.get(loss_fn)
-    if cached is None or cached._compiled.mechanism is not aggregator.mechanism or (
-            cached._compiled.expected_size != aggregator.expected_size):
-        table[loss_fn] = PrivateGrad(loss_fn, aggregator)
-    return table[loss_fn]
+@functools.lru_cache(maxsize=64)
+def clipping_kernel(loss_fn: Callable, mechanism) -> Callable:
+    """``jit(clipped_sums(loss_fn, mechanism, with_factors=True))``, built once per pair."""
+    return jax.jit(clipped_sums(loss_fn, mechanism, with_factors=True))
