@@ -12,8 +12,9 @@ Time: all modes of a workload live in one process and are timed round-robin (one
 mode per round, after warm-up), so drift of the machine hits them alike; we report the median.
 
 Memory: each (workload, mode) runs in a fresh subprocess that builds the model, optimizer and
-batch, records its resident set size (RSS, /proc/self/statm), runs the steps and reads the
-process's peak RSS (getrusage ru_maxrss). Peak memory of a step = peak RSS - RSS before the
+batch, records its resident set size (RSS, /proc/self/statm), resets the kernel's peak-RSS
+counter (/proc/self/clear_refs), runs three steps and reads the peak (VmHWM in
+/proc/self/status). Peak memory of a step = peak RSS - RSS before the
 first step: it counts every allocation of the step (activations, backprops, per-example
 gradients, noise), including torch's and the allocator's. The child runs with
 MALLOC_MMAP_THRESHOLD_=65536, so glibc maps every block above 64 KiB separately and returns it
@@ -26,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -99,16 +99,24 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
 def peak_memory(name: str, mode: str, steps: int = 3) -> int:
-    """Bytes: peak RSS during ``steps`` steps minus RSS before them (run in this process)."""
+    """Bytes: peak RSS during ``steps`` steps minus RSS before them (run in this process).
+
+    Writing 5 to /proc/self/clear_refs resets the kernel's peak-RSS counter (VmHWM) to the
+    current RSS, so the set-up (imports, model) does not count."""
     step = build(name, mode)
     before = _rss()
-    if resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 > before + (1 << 20):
-        # set-up already peaked above the current RSS: measure from a fresh process instead
-        raise RuntimeError("set-up peak above current RSS; cannot attribute the step's peak")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
     for _ in range(steps):
         step()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    return _peak_rss() - before
 
 
 def memory_in_subprocess(name: str, mode: str) -> int | None:
