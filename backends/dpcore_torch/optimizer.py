@@ -48,6 +48,10 @@ class PrivateOptimizer(torch.optim.Optimizer):
         """z of Eq. (1) for the whole mechanism."""
         return self.aggregator.mechanism.noise_multiplier
 
+    def next_step_fits(self) -> bool:
+        """Whether the privacy budget (if any) affords one more step."""
+        return self.aggregator.next_step_fits()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.original_optimizer.zero_grad(set_to_none)
         self.engine.clear()

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dpcore import Mechanism, PrivateAggregator, flat, per_layer
+from dpcore import Mechanism, PrivateAggregator, QuantileClipping, flat, per_layer
 
 from .backend import TorchBackend
 from .data import poisson_loader, sample_rate_of, steps_per_epoch
@@ -58,7 +58,8 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
                  target_epsilon: float | None = None, target_delta: float | None = None,
                  epochs: int | None = None, clipping="flat", loss_reduction: str = "mean",
                  ledger=None, seed: int | None = None, mode: str = "auto",
-                 prefer: str = "memory", accountant: str = "pld"):
+                 prefer: str = "memory", accountant: str = "pld", clip_policy=None,
+                 budget=None):
     """Private (module, optimizer, data_loader).
 
     Give ``noise_multiplier`` z, or ``target_epsilon`` with ``target_delta`` and ``epochs`` to
@@ -70,6 +71,13 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     rule exists, ``torch.func`` elsewhere) or ``"vmap"`` (``torch.func`` for the whole model);
     ``prefer`` ("memory" or "time") picks ghost norms or materialised per-example gradients per
     layer (:func:`dpcore_torch.layers.use_ghost`). ``accountant`` calibrates ``target_epsilon``.
+
+    ``clip_policy`` makes the clip move: ``"adaptive"`` (adaptive quantile clipping with the
+    paper's defaults, starting from ``max_grad_norm``; the noise multiplier is the total, count
+    included), a :class:`dpcore.QuantileClipping` or a :class:`dpcore.ClipSchedule`.
+    ``budget`` (a :class:`dpcore.PrivacyBudget`) makes ``optimizer.step()`` refuse, with
+    :class:`dpcore.BudgetExhaustedError` and before recording anything, the step that would
+    exceed it; ``optimizer.next_step_fits()`` asks first (Algorithm 1).
     """
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch DataLoader, got {data_loader!r}")
@@ -90,7 +98,9 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     sampling_seed, noise_seed = np.random.SeedSequence(seed).spawn(2)
     aggregator = PrivateAggregator(
         mechanism, n=n, q=q, backend=TorchBackend(), ledger=ledger,
-        seed=None if seed is None else int(noise_seed.generate_state(1)[0]))
+        seed=None if seed is None else int(noise_seed.generate_state(1)[0]),
+        clipping=QuantileClipping() if clip_policy == "adaptive" else clip_policy,
+        budget=budget)
     loader = poisson_loader(
         data_loader.dataset, q, seed=sampling_seed, collate_fn=data_loader.collate_fn,
         num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory)

@@ -30,6 +30,8 @@ def private_grads(engine: PerExampleEngine, aggregator: PrivateAggregator, loss=
     """
     if loss is not None:
         loss.backward()
+    if begin_step:  # first: the step's mechanism (its clips may move) is fixed from here on
+        aggregator.begin_step()
     mechanism = aggregator.mechanism
     leaves = mechanism.leaves
     mechanism.check_leaves(engine.params)
@@ -39,6 +41,4 @@ def private_grads(engine: PerExampleEngine, aggregator: PrivateAggregator, loss=
         sums = engine.clipped_sums(factors, column)
     finally:
         engine.clear()  # free the kept activations and backprops before the noise
-    if begin_step:
-        aggregator.begin_step()
-    return aggregator.release_sums(sums)
+    return aggregator.release_sums(sums, factors=factors)
