@@ -40,6 +40,7 @@ class _State:
         self.dp: PrivateGradients | None = None
         self.clips: tf.Variable | None = None
         self.stds: tf.Variable | None = None
+        self.assigned = None  # the (clips, stds) values the variables hold
 
 
 class PrivateModel(keras.Model):
@@ -77,6 +78,7 @@ class PrivateModel(keras.Model):
             groups, leaves = len(state.dp.clipper.structure), len(state.dp.clipper.leaves)
             state.clips = tf.Variable(tf.zeros([groups], tf.float64), trainable=False)
             state.stds = tf.Variable(tf.zeros([leaves], tf.float64), trainable=False)
+            state.assigned = None
         return state.dp
 
     def train_step(self, data):
@@ -104,9 +106,11 @@ class PrivateModel(keras.Model):
         compiled = self.train_function
 
         def train_function(iterator):
-            clips, stds = dp.record_step()  # ledger first
-            state.clips.assign(clips)
-            state.stds.assign(stds)
+            inputs = dp.record_step()  # ledger first
+            if inputs != state.assigned:  # clips or noise moved (or first step)
+                state.clips.assign(inputs[0])
+                state.stds.assign(inputs[1])
+                state.assigned = inputs
             logs = compiled(iterator)
             if state.aggregator.on_nonfinite == "raise" and int(logs["nonfinite_records"]):
                 raise NonFiniteNormError(

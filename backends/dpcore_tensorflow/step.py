@@ -78,30 +78,38 @@ class PrivateGradients:
         self.variables = self.engine.variables
         self._function = tf.function(self.graph_step, jit_compile=jit_compile,
                                      reduce_retracing=True)
+        self._mechanism = None  # the mechanism of the last recorded step, and what follows
+        self._tensors = (None, None)  # from it: (clips, stds) as given and as tensors
 
-    def record_step(self) -> tuple[tf.Tensor, tf.Tensor]:
+    def record_step(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Host side, before the step runs: the sampling event and the step's sum-query events
-        go to the ledger; returns the step's clips (G,) and leaf noise stds (L,)."""
+        go to the ledger; returns the step's clips S_g and leaf noise stds alpha_j sigma~_g
+        (inputs of :meth:`graph_step`)."""
         agg = self.aggregator
         z_next = agg.next_noise_multiplier()
         agg.begin_step()
         mechanism = agg.mechanism
-        if structure(mechanism) != self.clipper.structure:
-            raise ValueError("the aggregator's groups changed since this step was built; "
-                             "rebuild PrivateGradients")
-        if effective_noise_multiplier(g.privacy_tuple for g in mechanism.groups) != z_next:
+        if mechanism is not self._mechanism:  # clips moved (or first step): recompute
+            if structure(mechanism) != self.clipper.structure:
+                raise ValueError("the aggregator's groups changed since this step was built; "
+                                 "rebuild PrivateGradients")
+            self._mechanism = mechanism
+            self._z = effective_noise_multiplier(g.privacy_tuple for g in mechanism.groups)
+            self._events = [SumQueryEvent(g.name, g.clip, g.noise_std) for g in mechanism.groups]
+            self._inputs = (tuple(clips_of(mechanism)),
+                            tuple(leaf_stds_of(mechanism, self.clipper.leaves)))
+        if self._z != z_next:
             raise NotImplementedError(
                 "the aggregator releases more than the gradient groups this step (adaptive "
                 "clipping's counts); the fused step does not: use "
                 "TensorFlowBackend.private_gradient, or a clip schedule")
-        agg.ledger.record_sum_queries([SumQueryEvent(g.name, g.clip, g.noise_std)
-                                       for g in mechanism.groups])
-        return (tf.constant(clips_of(mechanism), tf.float64),
-                tf.constant(leaf_stds_of(mechanism, self.clipper.leaves), tf.float64))
+        agg.ledger.record_sum_queries(self._events)
+        return self._inputs
 
     def graph_step(self, x, y, mask, clips, stds):
-        """In graph: ``(grads in variable order, losses (B,), outputs, nonfinite (B,))``.
-        Whoever runs this must have called :meth:`record_step` for the step on the host."""
+        """In graph: ``(grads in variable order, losses (B,), outputs, nonfinite (B,))`` for
+        clips (G,) and leaf noise stds (L,) tensors. Whoever runs this must have called
+        :meth:`record_step` for the step on the host (it gives clips and stds)."""
         mask = tf.cast(mask, tf.bool)
         sums, bad, losses, outputs = self.engine.clipped_sums(x, y, self.loss_fn, self.clipper,
                                                               clips, mask)
@@ -113,8 +121,10 @@ class PrivateGradients:
         """One DP step's private average gradient, aligned with ``model.trainable_variables``."""
         if mask is None:
             mask = tf.ones([tf.shape(tf.nest.flatten(x)[0])[0]], tf.bool)
-        clips, stds = self.record_step()
-        grads, _, _, bad = self._function(x, y, mask, clips, stds)
+        inputs = self.record_step()
+        if inputs != self._tensors[0]:
+            self._tensors = (inputs, tuple(tf.constant(v, tf.float64) for v in inputs))
+        grads, _, _, bad = self._function(x, y, mask, *self._tensors[1])
         raise_on_nonfinite(self.aggregator, bad)
         return grads
 

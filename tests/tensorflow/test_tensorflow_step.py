@@ -186,3 +186,25 @@ def test_batch_normalization_model_is_rejected():
         private = make_private(model, n=10, q=0.5)
         private.compile(optimizer="sgd", loss="mse")
         private.fit(np.zeros((10, 4), "float32"), np.zeros((10, 3), "float32"), verbose=0)
+
+
+def test_fit_follows_a_clip_schedule():
+    from dpcore.schedules import ClipSchedule, decreasing
+    x, y = data(100, seed=8)
+    private = make_private(cnn(8), n=100, batch_size=20, max_grad_norm=1.0, noise_multiplier=0.5,
+                           seed=0, clip_schedule=ClipSchedule(decreasing(2.0)))
+    private.compile(optimizer="sgd", loss=CE)
+    private.fit(x, y, epochs=1, steps_per_epoch=4, verbose=0)
+    clips = [e.clip for e in private.aggregator.ledger.events if hasattr(e, "clip")]
+    assert clips == [1.0, 1 / 1.5, 0.5, 0.5]  # C / min(2, 1 + t / 2)
+    state = private._dp_state
+    assert np.allclose(state.clips.numpy(), [clips[-1]])  # the last step ran with its clip
+
+
+def test_adaptive_clipping_is_refused_by_the_fused_step():
+    from dpcore.adaptive import QuantileClipping
+    model = cnn()
+    agg = aggregator(model, 0.1, 1.0, clipping=QuantileClipping(count_noise_std=5.0))
+    x, y = data()
+    with pytest.raises(NotImplementedError, match="private_gradient"):
+        PrivateGradients(model, CE, agg)(x, y)
