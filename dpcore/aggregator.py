@@ -98,6 +98,12 @@ class PrivateAggregator:
         return self._mechanism
 
     @property
+    def clips_move(self) -> bool:
+        """Whether the mechanism changes from step to step (a clip schedule or adaptive
+        clipping): compiled steps built for one mechanism cannot serve such an aggregator."""
+        return not isinstance(self._policy, FixedClipping)
+
+    @property
     def expected_size(self) -> float:
         """q n: the public denominator of every average."""
         return self.q * self.n

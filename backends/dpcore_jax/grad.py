@@ -30,11 +30,16 @@ def sum_query_events(mechanism) -> list[SumQueryEvent]:
 
 
 def check_aggregator(aggregator) -> None:
-    """The aggregator must draw its noise keys from the JAX backend."""
+    """The aggregator must draw its noise keys from the JAX backend, and keep one mechanism
+    (a compiled step is built for one)."""
     if not isinstance(getattr(aggregator, "backend", None), JaxBackend):
         raise TypeError(f"the aggregator's backend must be the JAX backend (its rng is a jax "
                         f"key), got {getattr(aggregator, 'backend', aggregator)!r}; create it "
                         f"with PrivateAggregator(..., backend='jax')")
+    if aggregator.clips_move:
+        raise ValueError("the compiled JAX steps (private_grad, PrivateStep, train, "
+                         "private_optimizer) are built for one fixed mechanism; clip schedules "
+                         "and adaptive clipping run through JaxBackend.private_gradient")
 
 
 class _Compiled:
