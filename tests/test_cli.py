@@ -102,9 +102,9 @@ def test_calibrate(capsys, given, solved):
 def ledger_file(tmp_path):
     path = tmp_path / "run.jsonl"
     with Ledger(path) as ledger:
-        for t in range(300):
+        for t in range(120):
             ledger.record_sampling(0.01, 60000)
-            ledger.record_sum_queries([SumQueryEvent("grads", 1.0 / min(2, 1 + t / 300), 1.1)])
+            ledger.record_sum_queries([SumQueryEvent("grads", 1.0 / min(2, 1 + t / 120), 1.1)])
     return path
 
 
@@ -112,7 +112,7 @@ def test_ledger_epsilon(capsys, ledger_file):
     code, out, _ = run(capsys, "ledger", "epsilon", str(ledger_file), "--delta", "1e-5",
                        "--json")
     obj = json.loads(out)
-    assert code == 0 and obj["steps"] == 300 and obj["accountant"] == "pld"
+    assert code == 0 and obj["steps"] == 120 and obj["accountant"] == "pld"
     code, out, _ = run(capsys, "ledger", "epsilon", str(ledger_file), "--delta", "1e-5",
                        "--accountant", "rdp", "--json")
     assert json.loads(out)["epsilon"] >= obj["epsilon"]
@@ -120,11 +120,11 @@ def test_ledger_epsilon(capsys, ledger_file):
 
 def test_ledger_show(capsys, ledger_file):
     code, out, _ = run(capsys, "ledger", "show", str(ledger_file))
-    assert code == 0 and "300 steps" in out and "grads" in out and "..." in out
+    assert code == 0 and "120 steps" in out and "grads" in out and "..." in out
     code, out, _ = run(capsys, "ledger", "show", str(ledger_file), "--json")
     obj = json.loads(out)
-    assert obj["steps"] == 300 and obj["header"]["neighbouring"] == "add_or_remove_one_record"
-    assert sum(r["count"] for r in obj["runs"]) == 300
+    assert obj["steps"] == 120 and obj["header"]["neighbouring"] == "add_or_remove_one_record"
+    assert sum(r["count"] for r in obj["runs"]) == 120
 
 
 def test_ledger_plot(capsys, ledger_file, tmp_path):
@@ -135,7 +135,7 @@ def test_ledger_plot(capsys, ledger_file, tmp_path):
     obj = json.loads(out)
     assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     eps = [p["epsilon"] for p in obj["points"]]
-    assert eps == sorted(eps) and obj["points"][-1]["step"] == 300
+    assert eps == sorted(eps) and obj["points"][-1]["step"] == 120
 
 
 def test_ledger_plot_without_matplotlib(capsys, ledger_file, tmp_path, monkeypatch):
