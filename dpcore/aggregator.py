@@ -161,9 +161,9 @@ class PrivateAggregator:
                                  "release_sums(sums, factors=factors, mask=mask)")
             clipped_sums = {**clipped_sums, **self._policy.count_sums(factors, mask)}
         self.ledger.record_sum_queries(self._events)
-        self.rng, noisy = aggregation.add_noise(clipped_sums, self._released, self.rng,
-                                                self.backend.standard_normal)
-        released = aggregation.scale(noisy, self.expected_size)
+        self.rng, released = aggregation.noisy_average(
+            clipped_sums, self._released, self.rng, self.backend.standard_normal,
+            self.expected_size, xp=self.backend.namespace())
         if counts:
             self._policy.observe(released)
             released = {leaf: released[leaf] for leaf in self._mechanism.leaves}

@@ -137,7 +137,7 @@ def test_bad_policy_and_divisor_are_rejected():
     with pytest.raises(ValueError, match="on_nonfinite"):
         aggregation.clip_factors(np.ones((1, 1)), [1.0], on_nonfinite="ignore")
     with pytest.raises(ValueError, match="q\\*n must be > 0, got 0"):
-        aggregation.scale({"w": np.ones(2)}, 0.0)
+        aggregation.noisy_average({"w": np.ones(2)}, MECHANISM, None, None, 0.0)
 
 
 def test_joint_clipping_example_of_the_paper():
@@ -169,8 +169,42 @@ def test_joint_clipping_example_of_the_paper():
     # std estimate's relative standard error is 1/sqrt(2n) = 0.16%; 1% tolerance is 6 of them
     # and far below a 10% error).
     zero = {"v1": np.zeros(200_000), "v2": np.zeros(200_000)}
-    _, noisy = aggregation.add_noise(zero, mechanism, np.random.default_rng(0),
-                                     lambda rng, shape, like: (rng, rng.standard_normal(shape)))
+    _, noisy = aggregation.noisy_average(
+        zero, mechanism, np.random.default_rng(0),
+        lambda rng, shape, like: (rng, rng.standard_normal(shape)), divisor=1.0)
     assert np.std(noisy["v1"]) == pytest.approx(0.01, rel=0.01)
     assert np.std(noisy["v2"]) == pytest.approx(1.0, rel=0.01)
     assert math.isclose(np.corrcoef(noisy["v1"], noisy["v2"])[0, 1], 0, abs_tol=0.01)
+
+
+def test_noisy_average_on_every_namespace_keeps_shapes_dtypes_and_stds(namespace):
+    xp, _ = namespace
+    n = 40_000
+    sums = {"w": xp.zeros((200, 100)), "b": xp.zeros((n,)), "m": xp.zeros((n,)),
+            "s": xp.zeros((n,))}
+    rng = np.random.default_rng(0)
+
+    def standard_normal(state, shape, like):
+        return state, xp.asarray(state.standard_normal(shape).astype(np.float32),
+                                 dtype=like.dtype)
+
+    _, out = aggregation.noisy_average(sums, MECHANISM, rng, standard_normal, divisor=4.0)
+    for leaf, total in sums.items():
+        assert tuple(out[leaf].shape) == tuple(total.shape) and out[leaf].dtype == total.dtype
+    stds = aggregation.leaf_noise_stds(MECHANISM)
+    draws = {leaf: to_numpy(v).ravel() for leaf, v in out.items()}
+    for leaf, x in draws.items():
+        # 20,000+ draws: the sample std has relative standard error <= 0.5%; 3% is 6 of them
+        assert x.std() == pytest.approx(stds[leaf] / 4.0, rel=0.03), leaf
+    assert abs(np.corrcoef(draws["b"], draws["m"])[0, 1]) < 5 / np.sqrt(n)  # disjoint pieces
+
+
+def test_noisy_average_with_leaves_of_two_dtypes():
+    sums = {"w": np.ones(3, dtype=np.float32), "b": np.ones(2, dtype=np.float64),
+            "m": np.ones(2, dtype=np.float32), "s": np.ones(1, dtype=np.float64)}
+    rng = np.random.default_rng(1)
+    _, out = aggregation.noisy_average(
+        sums, MECHANISM.with_noise([0.0, 0.0]), rng,
+        lambda r, shape, like: (r, r.standard_normal(shape).astype(like.dtype)), divisor=2.0)
+    assert {k: v.dtype for k, v in out.items()} == {k: v.dtype for k, v in sums.items()}
+    assert all(np.all(v == 0.5) for v in out.values())

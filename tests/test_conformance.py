@@ -58,9 +58,10 @@ class LedgerDisagrees(tinytorch.TinyTorchBackend):
         sums = aggregation.clipped_sum(grads, factors, aggregator.mechanism, leaves)
         aggregator.ledger.record_sum_queries([SumQueryEvent(g.name, g.clip, 1.25 * g.noise_std)
                                               for g in aggregator.mechanism.groups])
-        aggregator.rng, noisy = aggregation.add_noise(sums, aggregator.mechanism, aggregator.rng,
-                                                      self.standard_normal)
-        return aggregation.scale(noisy, aggregator.expected_size)
+        aggregator.rng, released = aggregation.noisy_average(
+            sums, aggregator.mechanism, aggregator.rng, self.standard_normal,
+            aggregator.expected_size)
+        return released
 
 
 class BatchMeanGradients(tinytorch.TinyTorchBackend):

@@ -153,5 +153,6 @@ def noisy_mean(sums, mechanism: Mechanism, key, expected_size: float):
     """``(next_key, (sums + N(0, (alpha_j sigma~_g)^2 I)) / (q n))`` as a pytree like
     ``sums``: one fresh draw per leaf, from ``key``."""
     named = named_leaves(sums)
-    key, noisy = aggregation.add_noise(named, mechanism, key, standard_normal)
-    return key, unflatten_like(sums, aggregation.scale(noisy, expected_size))
+    key, noisy = aggregation.noisy_average(named, mechanism, key, standard_normal,
+                                           expected_size)
+    return key, unflatten_like(sums, noisy)
