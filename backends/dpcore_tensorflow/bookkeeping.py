@@ -54,6 +54,7 @@ class ClippedGradients:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         layer_taps.check_per_example(model)
+        layer_taps.check_no_regularizers(model)
         self.model, self.mode = model, mode
         self.names = leaf_names(model)
         self.variables = list(model.trainable_variables)

@@ -40,6 +40,19 @@ def check_per_example(model: keras.layers.Layer) -> None:
                 f"inference mode with fixed statistics).")
 
 
+def check_no_regularizers(model: keras.layers.Layer) -> None:
+    """Raise for layers with regularizers: the DP step differentiates only the per-example
+    losses, so a regularization loss would be silently left out."""
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        found = [name for name, value in vars(layer).items()
+                 if name.endswith("regularizer") and value is not None]
+        if found:
+            raise ValueError(f"layer {layer.name!r} has {', '.join(sorted(found))}; the DP step "
+                             f"clips per-example losses only and would ignore it. Remove it "
+                             f"(weight decay on the optimizer, e.g. SGD(weight_decay=...), is "
+                             f"applied after the private gradient and costs no privacy)")
+
+
 def _rows(x: tf.Tensor, width: int) -> tf.Tensor:
     """(B, ..., width) -> (B, T, width), with T static when the middle axes are."""
     middle = x.shape[1:-1]

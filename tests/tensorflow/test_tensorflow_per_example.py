@@ -160,3 +160,9 @@ def test_batch_normalization_is_rejected_with_a_fix():
         ClippedGradients(model)
     model.layers[-1].trainable = False
     ClippedGradients(model)  # frozen: inference mode, per-example
+
+
+def test_regularizers_are_refused_not_ignored():
+    model = _model([f64(L.Dense, 3, kernel_regularizer="l2")], (4,))
+    with pytest.raises(ValueError, match="kernel_regularizer.*weight_decay"):
+        ClippedGradients(model)
