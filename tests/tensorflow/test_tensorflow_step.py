@@ -208,3 +208,16 @@ def test_adaptive_clipping_is_refused_by_the_fused_step():
     x, y = data()
     with pytest.raises(NotImplementedError, match="private_gradient"):
         PrivateGradients(model, CE, agg)(x, y)
+
+
+def test_fit_on_a_poisson_dataset_and_a_custom_loop_share_the_ledger():
+    x, y = data(200, seed=9)
+    private = make_private(cnn(9), n=200, batch_size=20, noise_multiplier=0.5, seed=0)
+    private.compile(optimizer="sgd", loss=CE)
+    agg = private.aggregator
+    private.fit(poisson_dataset(x, y, sampler=agg.sampler, steps=3), epochs=1, verbose=0)
+    dp = PrivateGradients(private.model, CE, agg)
+    optimizer = keras.optimizers.SGD(0.1)
+    for xb, yb, mask in poisson_dataset(x, y, sampler=agg.sampler, steps=2):
+        optimizer.apply(dp(xb, yb, mask), private.model.trainable_variables)
+    assert agg.ledger.steps() == [dpcore.Step(0.1, 0.5, 5)]
