@@ -13,6 +13,7 @@ contributes all its calls, concatenated along the position axis (sum_t covers ev
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import math
 from typing import Callable
@@ -82,22 +83,25 @@ def _plain(layer, cls) -> bool:
             and getattr(layer, "quantization_mode", None) is None)
 
 
-class _Tap:
+class _Tap(abc.ABC):
+    """How one layer type is tapped and how its variables' gradients follow from the tap."""
+
     cls: type
 
     def accepts(self, layer) -> bool:
         return isinstance(layer, self.cls) and _plain(layer, self.cls)
 
+    @abc.abstractmethod
     def variables(self, layer) -> list:
         """The layer's trainable variables this tap computes gradients for."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def call(self, layer, recorder: Recorder) -> Callable:
-        raise NotImplementedError
+        """The replacement of ``layer.call``: the same output, recorded."""
 
+    @abc.abstractmethod
     def grads(self, layer, saved: list, gs: list, mode: str) -> dict:
         """{variable path: gradient object} from the saved inputs and output gradients."""
-        raise NotImplementedError
 
 
 def _trainable(*variables):
