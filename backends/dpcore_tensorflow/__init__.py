@@ -5,17 +5,32 @@
 * :func:`poisson_dataset` - Poisson-sampled, padded and masked ``tf.data`` batches;
 * :class:`ClippedGradients` - per-example norms and clipped sums (ghost norms, book-keeping);
 * :class:`TensorFlowBackend` - the dpcore backend contract (``dpcore.get_backend("tensorflow")``).
+
+Names are imported on first use, so that importing the entry-point module
+:mod:`dpcore_tensorflow.plugin` (which dpcore does to list backends) imports no TensorFlow.
 """
 
-from .backend import TensorFlowBackend
-from .bookkeeping import ClippedGradients, FallbackWarning
-from .data import poisson_dataset
-from .keras_model import PrivateModel, build_mechanism, make_private
-from .layer_taps import CrossExampleLayerError
-from .step import PrivateGradients, per_example_loss
+from importlib import import_module
 
-__all__ = [
-    "ClippedGradients", "CrossExampleLayerError", "FallbackWarning", "PrivateGradients",
-    "PrivateModel", "TensorFlowBackend", "build_mechanism", "make_private", "per_example_loss",
-    "poisson_dataset",
-]
+_HOME = {
+    "TensorFlowBackend": "backend",
+    "ClippedGradients": "bookkeeping", "FallbackWarning": "bookkeeping",
+    "poisson_dataset": "data",
+    "PrivateModel": "keras_model", "build_mechanism": "keras_model", "make_private": "keras_model",
+    "CrossExampleLayerError": "layer_taps",
+    "PrivateGradients": "step", "per_example_loss": "step",
+}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name):
+    if name not in _HOME:
+        raise AttributeError(f"module 'dpcore_tensorflow' has no attribute {name!r}")
+    value = getattr(import_module(f".{_HOME[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__
