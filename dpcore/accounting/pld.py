@@ -24,7 +24,8 @@ it everywhere, so the discrete pair dominates the exact one; the mass on grid po
 x_i times the jump in slope there, and the profile value at the last point is mass at +inf.
 The grid covers the losses of all but ``tail_mass / (number of steps)`` of P's mass; the
 tail mass above is exactly the +inf mass, the mass below is moved up to the first point
-(more loss: pessimistic).
+(more loss: pessimistic), and masses below 1e-200 are moved to +inf too (so no subnormal
+numbers slow the FFTs down).
 
 **Composition.** The finite parts of the discrete PLDs are convolved by FFT on a window of N
 grid points, each step group's transform raised to its count (fast self-composition of
@@ -255,19 +256,29 @@ def _composed_log_mgf(plds: list[tuple[DiscretePLD, int]], t: np.ndarray) -> np.
     """K(t) = sum_k count_k log sum_i m_ki e^{t l_ki} (finite parts), for each t (any sign).
 
     One table of e^{t (i h) - shift_t} over the union of the grids serves every PLD (the
-    shift keeps every exponent <= 0); a t at which some PLD's sum underflows gets K = inf,
+    shift keeps every exponent <= 0); a t at which some PLD's sum is below 1e-200 (where
+    underflowed terms could matter) gets K = inf,
     which only discards that t."""
     h = plds[0][0].h
     first = min(p.offset for p, _ in plds)
     last = max(p.offset + p.masses.size for p, _ in plds)
-    losses = np.arange(first, last) * h
-    shift = np.where(t > 0, t * losses[-1], t * losses[0])
-    table = np.exp(t[:, None] * losses[None, :] - shift[:, None])
+    n = last - first
+    losses_first, losses_last = first * h, (last - 1) * h
+    shift = np.where(t > 0, t * losses_last, t * losses_first)
+    # e^{t l_i - shift} as (block start factor) x (offset within the block): two small
+    # tables of exponentials instead of one per grid point; blocks are short enough that
+    # the within-block factor e^{t h j} stays below e^50
+    block = int(max(1, min(256, 50.0 / max(float(np.max(np.abs(t))) * h, 1e-300))))
+    starts = first + np.arange(0, n, block)
+    with np.errstate(under="ignore"):
+        outer = np.exp(t[:, None] * (starts[None, :] * h) - shift[:, None])
+        inner = np.exp(t[:, None] * (np.arange(block) * h)[None, :])
+        table = (outer[:, :, None] * inner[:, None, :]).reshape(t.size, -1)[:, :n]
     total = np.zeros_like(t)
     for pld, count in plds:
         sums = table[:, pld.offset - first: pld.offset - first + pld.masses.size] @ pld.masses
         with np.errstate(divide="ignore"):
-            total += count * np.where(sums > 0, np.log(sums) + shift, math.inf)
+            total += count * np.where(sums > 1e-200, np.log(sums) + shift, math.inf)
     return total
 
 
