@@ -5,10 +5,11 @@
     dpcore ledger epsilon FILE --delta D
     dpcore ledger show FILE
     dpcore ledger plot FILE -o FILE.png --delta D
+    dpcore conformance NAME [PYTEST ARGS...]
 
 Bad input ends with a one-line message on stderr and exit status 2 (as for usage errors).
-Each subcommand is one ``add_parser`` call in :func:`build_parser` with a ``run`` default, so
-more (such as ``dpcore conformance NAME``) fit the same way.
+Each subcommand is one ``add_parser`` call in :func:`build_parser` with a ``run`` default;
+``run`` may return an exit status (``conformance`` returns pytest's).
 """
 
 from __future__ import annotations
@@ -182,6 +183,20 @@ def _cmd_ledger_plot(args) -> None:
                      f"{_fmt(series[-1][1])} at delta = {_fmt(args.delta)})")
 
 
+# --------------------------------------------------------------------------- conformance
+
+def _cmd_conformance(args) -> int:
+    from .plugins import get_backend
+
+    try:
+        get_backend(args.backend)
+    except LookupError as exc:
+        raise CommandError(str(exc)) from None
+    from dpcore_conformance import run
+
+    return run(args.backend, *args.pytest_args)
+
+
 # --------------------------------------------------------------------------- parser
 
 def _common(parser, *, delta=True, accountant=True):
@@ -247,6 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--points", type=int, default=20,
                     help="number of points (default 20; each is one accountant run, so use "
                          "--accountant rdp for long ledgers whose z changes at every step)")
+    p = sub.add_parser("conformance", help="run the conformance suite against a backend",
+                       description="Run the dpcore conformance suite (pytest) against a "
+                                   "registered backend; extra arguments go to pytest.")
+    p.add_argument("backend", metavar="NAME", help="registered backend name")
+    p.add_argument("pytest_args", nargs=argparse.REMAINDER, metavar="PYTEST ARGS",
+                   help="passed to pytest, e.g. -q or -k noise")
+    p.set_defaults(run=_cmd_conformance)
     return parser
 
 
@@ -255,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from .ledger import LedgerError
     try:
-        args.run(args)
+        status = args.run(args)
     except BrokenPipeError:  # output piped into e.g. `head`, which closed it: not an error
         sys.stderr.close()
         return 0
@@ -263,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = " ".join(str(exc).split())
         print(f"dpcore: error: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":

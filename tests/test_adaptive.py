@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from dpcore import PrivateAggregator, flat, per_layer
+from dpcore.accounting import epsilon
 from dpcore.adaptive import (QuantileClipping, gradient_noise_multiplier, update_clip)
 from dpcore.ledger import SumQueryEvent
 
@@ -42,6 +43,10 @@ def test_ledger_multiplier_of_adaptive_clipping_equals_plain_dpsgd(grouping):
     for step in steps:
         assert step.q == Q
         assert step.noise_multiplier == pytest.approx(z, rel=1e-12)
+    plain = [(Q, z, 5)]
+    for accountant in ("rdp", "pld"):
+        assert epsilon(agg.ledger, 1e-5, accountant=accountant) == pytest.approx(
+            epsilon(plain, 1e-5, accountant=accountant), rel=1e-9)
     counts = [e for e in agg.ledger.events
               if isinstance(e, SumQueryEvent) and e.group.startswith("unclipped_count:")]
     assert len(counts) == 5 * len(mechanism.groups)
