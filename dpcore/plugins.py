@@ -8,12 +8,14 @@ skip. Plugins can also be registered in code with :func:`register_plugin`.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import importlib.util
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import pluggy
 
@@ -142,3 +144,23 @@ def get_backend(name: str):
             raise BackendUnavailableError(
                 f"backend {name!r} failed to start: {type(exc).__name__}: {exc}") from exc
     return entry.instance
+
+
+def lazy_exports(package: str, homes: Mapping[str, str]):
+    """``(__getattr__, __dir__)`` for a backend package whose public names live in submodules
+    (``homes``: name -> submodule) and are imported on first use, so that loading the package's
+    entry-point module, which dpcore does to list backends, imports no framework::
+
+        __getattr__, __dir__ = lazy_exports(__name__, {"MyBackend": "backend"})
+    """
+    def __getattr__(name: str):
+        if name not in homes:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f".{homes[name]}", package), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    def __dir__():
+        return sorted(homes)
+
+    return __getattr__, __dir__

@@ -7,9 +7,9 @@ below are loaded from their modules on first use.
 
 from __future__ import annotations
 
-import importlib
+from dpcore.plugins import lazy_exports
 
-_EXPORTS = {
+_HOME = {
     "Buckets": "batching",
     "PoissonBatches": "batching",
     "JaxBackend": "backend",
@@ -27,14 +27,5 @@ _EXPORTS = {
     "named_leaves": "names",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__all__ = sorted(_HOME)
+__getattr__, __dir__ = lazy_exports(__name__, _HOME)

@@ -10,7 +10,7 @@ Names are imported on first use, so that importing the entry-point module
 :mod:`dpcore_tensorflow.plugin` (which dpcore does to list backends) imports no TensorFlow.
 """
 
-from importlib import import_module
+from dpcore.plugins import lazy_exports
 
 _HOME = {
     "TensorFlowBackend": "backend",
@@ -22,15 +22,4 @@ _HOME = {
 }
 
 __all__ = sorted(_HOME)
-
-
-def __getattr__(name):
-    if name not in _HOME:
-        raise AttributeError(f"module 'dpcore_tensorflow' has no attribute {name!r}")
-    value = getattr(import_module(f".{_HOME[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _HOME)

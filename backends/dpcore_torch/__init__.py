@@ -9,7 +9,7 @@ Names are imported on first use, so that importing the entry-point module
 :mod:`dpcore_torch.plugin` (which dpcore does to list backends) imports no torch.
 """
 
-from importlib import import_module
+from dpcore.plugins import lazy_exports
 
 _HOME = {
     "TorchBackend": "backend",
@@ -22,15 +22,4 @@ _HOME = {
 }
 
 __all__ = sorted(_HOME)
-
-
-def __getattr__(name):
-    if name not in _HOME:
-        raise AttributeError(f"module 'dpcore_torch' has no attribute {name!r}")
-    value = getattr(import_module(f".{_HOME[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _HOME)
