@@ -2,6 +2,7 @@
 
 import importlib
 import importlib.util
+import pathlib
 
 import numpy as np
 import pytest
@@ -27,3 +28,18 @@ def namespace(request):
 
 
 pytest_plugins = ("pytester",)
+
+
+EXAMPLES = pathlib.Path(__file__).parents[1] / "examples"
+
+
+@pytest.fixture(scope="session")
+def load_example():
+    """``load_example("digits")`` imports ``examples/digits.py`` as a module."""
+    def load(name):
+        spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

@@ -1,23 +1,16 @@
 """The user-level federated example runs, learns, and accounts for what it released."""
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
 from dpcore import read_ledger
 from dpcore.accounting import epsilon
 
-EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "federated.py"
-
 
 @pytest.fixture(scope="module")
-def federated():
-    spec = importlib.util.spec_from_file_location("federated_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def federated(load_example):
+    return load_example("federated")
 
 
 def test_example_learns_privately_and_its_ledger_prices_the_run(federated, tmp_path, capsys):

@@ -1,19 +1,12 @@
 """The joint-clipping reproduction: at equal privacy cost, joint clipping beats the others."""
 
-import importlib.util
 import math
-import pathlib
 
 import pytest
 
-EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "joint_clipping.py"
 
-
-def test_joint_clipping_wins_at_equal_privacy_cost():
-    spec = importlib.util.spec_from_file_location("joint_clipping_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    rows, _ = module.rmse_table(z=1.0, n=10_000, q=0.1, releases=60)
+def test_joint_clipping_wins_at_equal_privacy_cost(load_example):
+    rows, _ = load_example("joint_clipping").rmse_table(z=1.0, n=10_000, q=0.1, releases=60)
     (_, j1, j2), (_, s1, s2), (_, f1, f2), (_, g1, g2) = rows
     # separate clipping needs sqrt(2) more noise for the same z (two groups, proportional)
     assert s1 / j1 == pytest.approx(math.sqrt(2), rel=0.15)

@@ -1,22 +1,14 @@
 """The reproduction script runs end to end (a small version of each experiment)."""
 
-import importlib.util
-import pathlib
-
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
-SCRIPT = pathlib.Path(__file__).parents[2] / "examples" / "reproductions.py"
-
 
 @pytest.fixture(scope="module")
-def reproductions():
-    spec = importlib.util.spec_from_file_location("reproductions", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def reproductions(load_example):
+    return load_example("reproductions")
 
 
 def test_budget_driven_variants_spend_exactly_the_budget(reproductions):

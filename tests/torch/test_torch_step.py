@@ -212,16 +212,10 @@ def test_target_epsilon_calibrates_the_noise_up_front():
                      max_grad_norm=1.0)
 
 
-def test_the_main_job_runs(tmp_path, capsys):
+def test_the_main_job_runs(tmp_path, capsys, load_example):
     pytest.importorskip("sklearn")
     pytest.importorskip("matplotlib")
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "examples" / "digits.py"
-    spec = importlib.util.spec_from_file_location("digits_example", path)
-    digits = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(digits)
+    digits = load_example("digits")
     ledger, plot = tmp_path / "ledger.jsonl", tmp_path / "eps.png"
     digits.main(["--epochs", "2", "--epsilon", "4", "--ledger", str(ledger), "--plot", str(plot)])
     out = capsys.readouterr().out
