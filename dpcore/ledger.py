@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO, Iterable, Iterator, Sequence, Union
 
 from . import _validation as check
-from .queries import RECORD_UNITS, effective_noise_multiplier
+from .queries import check_record, effective_noise_multiplier
 
 FORMAT = "dpcore-ledger"
 VERSION = 1
@@ -65,15 +65,7 @@ class Header:
             )
         if self.neighbouring != NEIGHBOURING:
             raise LedgerError(f"neighbouring must be {NEIGHBOURING!r}, got {self.neighbouring!r}")
-        if self.record not in RECORD_UNITS:
-            raise LedgerError(f"record must be one of {RECORD_UNITS}, got {self.record!r}")
-        if self.record == "microbatch":
-            check.count("microbatch_size", self.microbatch_size, minimum=1)
-        elif self.microbatch_size is not None:
-            raise LedgerError(
-                f"microbatch_size is only meaningful for record='microbatch', got "
-                f"record={self.record!r} and microbatch_size={self.microbatch_size!r}"
-            )
+        check_record(self.record, self.microbatch_size)
 
     def to_json(self) -> dict:
         d = {"format": self.format, "version": self.version, "neighbouring": self.neighbouring,

@@ -25,6 +25,18 @@ from . import _validation as check
 RECORD_UNITS = ("example", "microbatch", "user")
 
 
+def check_record(record: str, microbatch_size: int | None) -> None:
+    """The unit of privacy: one of :data:`RECORD_UNITS`; ``microbatch_size`` (>= 1) exactly
+    when the record is a microbatch."""
+    if record not in RECORD_UNITS:
+        raise ValueError(f"record must be one of {RECORD_UNITS}, got {record!r}")
+    if record == "microbatch":
+        check.count("microbatch_size", microbatch_size, minimum=1)
+    elif microbatch_size is not None:
+        raise ValueError(f"microbatch_size is only meaningful for record='microbatch', got "
+                         f"record={record!r} and microbatch_size={microbatch_size!r}")
+
+
 def effective_noise_multiplier(tuples: Iterable[tuple[float, float]]) -> float:
     """Eq. (1): privacy tuples (S_g, sigma~_g) -> z = (sum_g (S_g / sigma~_g)^2)^(-1/2).
 
@@ -122,13 +134,7 @@ class Mechanism:
                     raise ValueError(f"groups overlap: leaf {leaf!r} is in both group "
                                      f"{owner[leaf]!r} and group {group.name!r}")
                 owner[leaf] = group.name
-        if self.record not in RECORD_UNITS:
-            raise ValueError(f"record must be one of {RECORD_UNITS}, got {self.record!r}")
-        if self.record == "microbatch":
-            check.count("microbatch_size", self.microbatch_size, minimum=1)
-        elif self.microbatch_size is not None:
-            raise ValueError(f"microbatch_size is only meaningful for record='microbatch', "
-                             f"got record={self.record!r}")
+        check_record(self.record, self.microbatch_size)
         object.__setattr__(self, "groups", groups)
 
     @property
