@@ -183,7 +183,7 @@ class Ledger:
         self._file: IO[str] | None = None
         wanted = Header(record=record, microbatch_size=microbatch_size)
         if self.path is not None and self.path.exists() and self.path.stat().st_size > 0:
-            header, events, keep = _parse(self.path, allow_torn_tail=allow_torn_tail)
+            header, events, keep, complete = _parse(self.path, allow_torn_tail=allow_torn_tail)
             if (header.record, header.microbatch_size) != (record, microbatch_size):
                 raise LedgerError(
                     f"{self.path}: existing ledger is for record={header.record!r}, "
@@ -193,7 +193,7 @@ class Ledger:
             self._file = open(self.path, "r+", encoding="utf-8", newline="\n")
             self._file.seek(keep)
             self._file.truncate()
-            if not self.path.read_bytes().endswith(b"\n"):
+            if not complete:
                 self._file.write("\n")  # a crash tore off only the final newline
         else:
             self.header, self._events = wanted, []
@@ -264,7 +264,7 @@ class Ledger:
 def read_ledger(path: PathLike, *, allow_torn_tail: bool = False) -> Ledger:
     """Read and validate a ledger file into an in-memory :class:`Ledger` (appending to the
     result does not touch the file; open ``Ledger(path)`` to continue a run)."""
-    header, events, _ = _parse(Path(path), allow_torn_tail=allow_torn_tail)
+    header, events, _, _ = _parse(Path(path), allow_torn_tail=allow_torn_tail)
     ledger = Ledger(record=header.record, microbatch_size=header.microbatch_size)
     ledger.header, ledger._events = header, events
     return ledger
@@ -298,8 +298,9 @@ def merge_steps(steps: Iterable[Step]) -> list[Step]:
     return merged
 
 
-def _parse(path: Path, *, allow_torn_tail: bool) -> tuple[Header, list[Event], int]:
-    """Header, events and the byte length of the valid part of the file at ``path``."""
+def _parse(path: Path, *, allow_torn_tail: bool) -> tuple[Header, list[Event], int, bool]:
+    """Header, events, the byte length of the valid part of the file at ``path``, and whether
+    that part ends with a newline."""
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -346,4 +347,4 @@ def _parse(path: Path, *, allow_torn_tail: bool) -> tuple[Header, list[Event], i
         keep = len(data) - len(tail)
     if header is None:
         raise LedgerError(f"{path}: no header line")
-    return header, events, keep
+    return header, events, keep, data[:keep].endswith(b"\n")
