@@ -104,6 +104,12 @@ class PrivateAggregator:
         return not isinstance(self._policy, FixedClipping)
 
     @property
+    def count_groups(self) -> tuple:
+        """Groups each step releases besides the mechanism's (adaptive clipping's counts of
+        unclipped records); a fused step that releases only the gradient cannot serve them."""
+        return self._policy.count_groups
+
+    @property
     def expected_size(self) -> float:
         """q n: the public denominator of every average."""
         return self.q * self.n

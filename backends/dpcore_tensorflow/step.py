@@ -23,7 +23,6 @@ import tensorflow as tf
 
 from dpcore.aggregation import NonFiniteNormError
 from dpcore.ledger import SumQueryEvent
-from dpcore.queries import effective_noise_multiplier
 
 from .bookkeeping import ClippedGradients
 from .kernels import GroupClipper, clips_of, leaf_stds_of, noisy_mean, structure
@@ -86,7 +85,11 @@ class PrivateGradients:
         go to the ledger; returns the step's clips S_g and leaf noise stds alpha_j sigma~_g
         (inputs of :meth:`graph_step`)."""
         agg = self.aggregator
-        z_next = agg.next_noise_multiplier()
+        if agg.count_groups:
+            raise NotImplementedError(
+                "the aggregator releases more than the gradient groups each step (adaptive "
+                "clipping's counts); the fused step does not: use "
+                "TensorFlowBackend.private_gradient, or a clip schedule")
         agg.begin_step()
         mechanism = agg.mechanism
         if mechanism is not self._mechanism:  # clips moved (or first step): recompute
@@ -94,15 +97,9 @@ class PrivateGradients:
                 raise ValueError("the aggregator's groups changed since this step was built; "
                                  "rebuild PrivateGradients")
             self._mechanism = mechanism
-            self._z = effective_noise_multiplier(g.privacy_tuple for g in mechanism.groups)
             self._events = [SumQueryEvent(g.name, g.clip, g.noise_std) for g in mechanism.groups]
             self._inputs = (tuple(clips_of(mechanism)),
                             tuple(leaf_stds_of(mechanism, self.clipper.leaves)))
-        if self._z != z_next:
-            raise NotImplementedError(
-                "the aggregator releases more than the gradient groups this step (adaptive "
-                "clipping's counts); the fused step does not: use "
-                "TensorFlowBackend.private_gradient, or a clip schedule")
         agg.ledger.record_sum_queries(self._events)
         return self._inputs
 

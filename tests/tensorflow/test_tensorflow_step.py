@@ -208,6 +208,7 @@ def test_adaptive_clipping_is_refused_by_the_fused_step():
     x, y = data()
     with pytest.raises(NotImplementedError, match="private_gradient"):
         PrivateGradients(model, CE, agg)(x, y)
+    assert agg.ledger.events == ()  # refused before anything was recorded
 
 
 def test_fit_on_a_poisson_dataset_and_a_custom_loop_share_the_ledger():
