@@ -201,11 +201,9 @@ def _vjp_per_example(site: Site, weight, acts, g):
 
 
 def _dot_factors(site: Site, acts, g):
-    """For a dense ``dot_general`` site: a (B, P, C) and g (B, P, F) with dl_i/dW = a_i^T g_i
-    up to the layout of W, or None when W has dot batch dimensions."""
-    (lc, rc), (lb, rb) = site.eqn.params["dimension_numbers"]
-    if lb or rb:
-        return None
+    """For a ``"dense"`` site: a (B, P, C) and g (B, P, F) with dl_i/dW = a_i^T g_i up to the
+    layout of W."""
+    (lc, rc), _ = site.eqn.params["dimension_numbers"]
     (a,) = acts
     a_contract = list(lc if site.position == 1 else rc)
     w_contract = list(rc if site.position == 1 else lc)
@@ -237,37 +235,44 @@ def _dot_sq_norms(a, g):
     return jnp.sum(jnp.einsum("bpc,bpf->bcf", a, g) ** 2, axis=(1, 2))
 
 
-def _row_gather_ids(site: Site, acts):
-    """For ``gather`` of rows of W (V, d) (an embedding lookup): the looked-up row ids
-    (B, P), or None for other gathers."""
+def _is_row_gather(site: Site) -> bool:
+    """Whether ``site`` is a ``gather`` of whole rows of W (V, d) (an embedding lookup) whose
+    indices (..., 1) put the row last in the output, decided from the one-example avals."""
     if site.eqn.primitive.name != "gather" or site.position != 0:
-        return None
+        return False
     params = site.eqn.params
     dims = params["dimension_numbers"]
-    weight = site.eqn.invars[0].aval
-    if (weight.ndim != 2 or tuple(dims.collapsed_slice_dims) != (0,)
-            or tuple(dims.start_index_map) != (0,) or dims.operand_batching_dims
-            or tuple(params["slice_sizes"]) != (1, weight.shape[1])
-            or params["mode"] not in (GatherScatterMode.PROMISE_IN_BOUNDS,
-                                      GatherScatterMode.CLIP)):
-        return None
-    (indices,) = acts
-    if indices.shape[-1] != 1 or tuple(dims.offset_dims) != (indices.ndim - 1,):
-        return None
-    ids = jnp.clip(indices[..., 0], 0, weight.shape[0] - 1)
-    return ids.reshape(ids.shape[0], math.prod(ids.shape[1:]))
+    weight, indices = (v.aval for v in site.eqn.invars)
+    return (weight.ndim == 2 and tuple(dims.collapsed_slice_dims) == (0,)
+            and tuple(dims.start_index_map) == (0,) and not dims.operand_batching_dims
+            and tuple(params["slice_sizes"]) == (1, weight.shape[1])
+            and params["mode"] in (GatherScatterMode.PROMISE_IN_BOUNDS, GatherScatterMode.CLIP)
+            and indices.shape[-1] == 1 and tuple(dims.offset_dims) == (indices.ndim - 1,))
+
+
+def rule(site: Site) -> str:
+    """How a site's per-example norms are computed: ``"dense"`` (a ``dot_general`` without
+    batch dimensions: Gram matrices or the product a_i^T g_i), ``"rows"`` (a row gather:
+    equal-id pairs) or ``"formed"`` (the per-example VJP is formed and squared)."""
+    if site.eqn.primitive.name == "dot_general":
+        (_, _), (lb, rb) = site.eqn.params["dimension_numbers"]
+        if not lb and not rb:
+            return "dense"
+    if _is_row_gather(site):
+        return "rows"
+    return "formed"
 
 
 def site_norms_and_grads(site: Site, weight, acts, g):
-    """``(||dl_i/dW||^2 (B,), dl_i/dW (B, *W) or None)`` of a site, by the cheapest exact rule
-    for its operation; the per-example gradients are returned when the rule formed them."""
+    """``(||dl_i/dW||^2 (B,), dl_i/dW (B, *W) or None)`` of a site by its :func:`rule`; the
+    per-example gradients are returned when the rule formed them."""
     batch = g.shape[0]
-    if site.eqn.primitive.name == "dot_general":
-        factors = _dot_factors(site, acts, g)
-        if factors is not None:
-            return _dot_sq_norms(*factors), None
-    ids = _row_gather_ids(site, acts)
-    if ids is not None:
+    kind = rule(site)
+    if kind == "dense":
+        return _dot_sq_norms(*_dot_factors(site, acts, g)), None
+    if kind == "rows":
+        (indices,) = acts
+        ids = jnp.clip(indices[..., 0], 0, weight.shape[0] - 1).reshape(batch, -1)
         rows = g.reshape(batch, ids.shape[1], math.prod(g.shape[1:]) // ids.shape[1])
         same = (ids[:, :, None] == ids[:, None, :]).astype(rows.dtype)
         return jnp.sum(same * jnp.einsum("bpd,bqd->bpq", rows, rows), axis=(1, 2)), None

@@ -90,6 +90,9 @@ def test_ghost_plan_finds_one_site_per_leaf_and_falls_back_for_shared_weights():
                      "head/w": "dot_general", "head/b": "broadcast_in_dim",
                      "norm/scale": "broadcast_in_dim", "norm/bias": "broadcast_in_dim"}
     assert plan.fallback == ()
+    assert {s.leaf: ghost.rule(s) for s in plan.sites} == {
+        "embed": "rows", "attn/qkv": "dense", "attn/out": "dense", "head/w": "dense",
+        "head/b": "formed", "norm/scale": "formed", "norm/bias": "formed"}
     loss_fn, params = models.model(rng, "tied")
     example = jax.tree_util.tree_map(lambda a: a[0], models.data(rng, "tied", 1))
     plan = ghost.plan(loss_fn, params, example)
@@ -111,7 +114,11 @@ def test_ghost_norms_of_dense_sequences_and_embeddings_match_per_example_gradien
         return jnp.sum(h @ p["narrow"], axis=(1, 2))
 
     tokens = rng.integers(0, 4, size=(5, 6))
+    plan = ghost.plan(loss, params, tokens[0])
+    assert [ghost.rule(s) for s in plan.sites] == ["rows", "dense", "dense"]
     mechanism = dpcore.per_layer(leaf_sizes(params), 1.0, 0.0)
+    compiled = jax.jit(clipped_sums(loss, mechanism)).lower(params, tokens).compile().as_text()
+    assert "f32[5,7,40]" not in compiled  # no per-example embedding gradient is formed
     sums, _ = jax.jit(clipped_sums(loss, mechanism))(params, tokens)
     per_example = jax.vmap(jax.grad(one_example_loss(loss)), in_axes=(None, 0))(params, tokens)
     expected = oracle_sums({k: np.asarray(v, np.float64) for k, v in per_example.items()},
