@@ -49,7 +49,8 @@ def standard_normal(key, shape, like) -> tuple[jax.Array, jax.Array]:
     Pure: usable inside ``jit``."""
     dtype = like.dtype if jnp.issubdtype(like.dtype, jnp.floating) else jnp.float32
     key, sub = jax.random.split(key)
-    return key, jax.random.normal(sub, tuple(shape), dtype)
+    with jax.threefry_partitionable(False):  # the sequential layout: 1.6x faster on CPU
+        return key, jax.random.normal(sub, tuple(shape), dtype)
 
 
 def one_example_loss(loss_fn: Callable) -> Callable:

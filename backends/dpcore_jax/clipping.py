@@ -87,16 +87,25 @@ def _chunk(loss_fn, mechanism, method, params, batch, mask):
     keep = jnp.logical_and(mask, finite)
     nonfinite = jnp.sum(jnp.logical_and(mask, jnp.logical_not(finite)), dtype=jnp.int32)
     group_of = {leaf: g for g, group in enumerate(mechanism.groups) for leaf in group.leaves}
-    sums = aggregation.clipped_sum(fallback_grads, factors, mechanism, list(fallback_grads),
-                                   zero_rows=jnp.logical_not(keep))
-    for site in sites:
-        sums[site.leaf] = ghost.site_weighted_sum(
-            site, named[site.leaf], [_keep_rows(a, keep) for a in acts[site.index]],
-            _keep_rows(site_grads[site.index], keep), factors[:, group_of[site.leaf]])
-    for leaf in leaves:  # leaves the loss does not read have gradient 0
-        if leaf not in sums:
-            sums[leaf] = jnp.zeros_like(named[leaf])
-    sums = {leaf: sums[leaf].astype(named[leaf].dtype) for leaf in leaves}
+
+    def weighted_sums(zero_dropped: bool):
+        drop = (lambda x: _keep_rows(x, keep)) if zero_dropped else (lambda x: x)
+        sums = aggregation.clipped_sum(fallback_grads, factors, mechanism, list(fallback_grads),
+                                       zero_rows=jnp.logical_not(keep) if zero_dropped else None)
+        for site in sites:
+            sums[site.leaf] = ghost.site_weighted_sum(
+                site, named[site.leaf], [drop(a) for a in acts[site.index]],
+                drop(site_grads[site.index]), factors[:, group_of[site.leaf]])
+        for leaf in leaves:  # leaves the loss does not read have gradient 0
+            if leaf not in sums:
+                sums[leaf] = jnp.zeros_like(named[leaf])
+        return {leaf: sums[leaf].astype(named[leaf].dtype) for leaf in leaves}
+
+    # Factors are 0 on padded and dropped rows, but 0 * NaN is NaN: rows are zeroed first
+    # unless every row's norms (padded rows included) are finite, hence every value they
+    # were computed from (a non-finite entry of a_i or g_i makes ||.||^2 Inf or NaN).
+    sums = jax.lax.cond(jnp.all(finite), lambda: weighted_sums(False),
+                        lambda: weighted_sums(True))
     return sums, nonfinite, factors
 
 

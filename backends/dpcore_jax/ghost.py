@@ -280,8 +280,34 @@ def site_norms_and_grads(site: Site, weight, acts, g):
     return jnp.sum(per_example.reshape(batch, math.prod(per_example.shape[1:])) ** 2, axis=1), per_example
 
 
+def _rows_scaled(x, weights):
+    return x * weights.reshape((x.shape[0],) + (1,) * (x.ndim - 1)).astype(x.dtype)
+
+
+def _dense_weighted_sum(site: Site, weight, acts, g, weights):
+    """sum_i w_i a_i^T g_i as one (B P, C) x (B P, F) contraction (the layout of the
+    non-private weight gradient), the weights applied to the smaller factor, then laid out
+    as W: its contracted dimensions first, its free ones after, in W's order."""
+    a, g = _dot_factors(site, acts, g)
+    if a.size < g.size:
+        a = _rows_scaled(a, weights)
+    else:
+        g = _rows_scaled(g, weights)
+    total = jax.lax.dot_general(a.reshape(-1, a.shape[2]), g.reshape(-1, g.shape[2]),
+                                (((0,), (0,)), ((), ())))
+    (lc, rc), _ = site.eqn.params["dimension_numbers"]
+    w_contract = list(rc if site.position == 1 else lc)
+    order = w_contract + [d for d in range(weight.ndim) if d not in w_contract]
+    total = total.reshape([weight.shape[d] for d in order])
+    return jnp.transpose(total, [order.index(d) for d in range(weight.ndim)])
+
+
 def site_weighted_sum(site: Site, weight, acts, g, weights):
-    """sum_i weights_i dl_i/dW: one backward step of the batched operation."""
+    """sum_i weights_i dl_i/dW: for a ``"dense"`` site one contraction of activations and
+    output gradients, otherwise one backward step of the batched operation with the
+    cotangents g_i scaled by weights_i."""
+    if rule(site) == "dense":
+        return _dense_weighted_sum(site, weight, acts, g, weights)
     batch = g.shape[0]
 
     def op(w):
@@ -291,5 +317,4 @@ def site_weighted_sum(site: Site, weight, acts, g, weights):
             return _bind(site.eqn, invals)
         return jax.vmap(one, axis_size=batch)(*acts)
 
-    cotangent = g * weights.reshape((batch,) + (1,) * (g.ndim - 1)).astype(g.dtype)
-    return jax.vjp(op, weight)[1](cotangent)[0]
+    return jax.vjp(op, weight)[1](_rows_scaled(g, weights))[0]

@@ -88,6 +88,23 @@ def transformer_loss(params, batch):
     return xent(h.mean(1) @ params["head"]["w"] + params["head"]["b"], y)
 
 
+def einsum_params(rng):
+    """Dense weights in every layout a ``dot_general`` can give them (see einsum_loss)."""
+    def w(*shape):
+        return (rng.normal(size=shape) / np.sqrt(shape[0])).astype(np.float32)
+    return {"lhs": w(6, 4), "heads": w(6, 2, 3), "merge": w(2, 3, 5), "transposed": w(3, 5)}
+
+
+def einsum_loss(params, batch):
+    """W as the left operand, with two free dimensions, with two contracted dimensions, and
+    contracted on its last dimension, over a sequence of T = 4 positions."""
+    x, y = batch                                                          # (B, T, 4)
+    h = jnp.tanh(jnp.einsum("fc,btc->btf", params["lhs"], x))            # (B, T, 6)
+    h = jnp.tanh(jnp.einsum("btc,chk->bthk", h, params["heads"]))        # (B, T, 2, 3)
+    h = jnp.tanh(jnp.einsum("bthk,hkf->btf", h, params["merge"]))        # (B, T, 5)
+    return xent(jnp.einsum("btf,cf->bc", h, params["transposed"]), y)
+
+
 def tied_params(rng, d=4):
     return {"w": (rng.normal(size=(d, d)) / 2).astype(np.float32), "v": rng.normal(size=(d,)).astype(np.float32)}
 
@@ -130,6 +147,8 @@ def data(rng, kind, batch):
         return rng.normal(size=(batch, 6, 6, 1)).astype(np.float32), rng.integers(0, 3, size=batch)
     if kind == "transformer":
         return rng.integers(0, 11, size=(batch, 5)), rng.integers(0, 3, size=batch)
+    if kind == "einsum":
+        return rng.normal(size=(batch, 4, 4)).astype(np.float32), rng.integers(0, 3, size=batch)
     if kind == "tied":
         return rng.normal(size=(batch, 4)).astype(np.float32), rng.normal(size=batch).astype(np.float32)
     raise ValueError(kind)
@@ -141,12 +160,12 @@ def model(rng, kind):
         return flax_model_and_params(rng)
     table = {"logistic": (logistic_loss, logistic_params), "mlp": (mlp_loss, mlp_params),
              "cnn": (cnn_loss, cnn_params), "transformer": (transformer_loss, transformer_params),
-             "tied": (tied_loss, tied_params)}
+             "einsum": (einsum_loss, einsum_params), "tied": (tied_loss, tied_params)}
     loss, make = table[kind]
     return loss, jax.tree_util.tree_map(jnp.asarray, make(rng))
 
 
-KINDS = ("logistic", "mlp", "cnn", "transformer", "tied", "flax")
+KINDS = ("logistic", "mlp", "cnn", "transformer", "einsum", "tied", "flax")
 
 
 def float64_oracle(loss_fn, params, batch):

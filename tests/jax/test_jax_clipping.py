@@ -93,6 +93,9 @@ def test_ghost_plan_finds_one_site_per_leaf_and_falls_back_for_shared_weights():
     assert {s.leaf: ghost.rule(s) for s in plan.sites} == {
         "embed": "rows", "attn/qkv": "dense", "attn/out": "dense", "head/w": "dense",
         "head/b": "formed", "norm/scale": "formed", "norm/bias": "formed"}
+    loss_fn, params = models.model(rng, "einsum")
+    example = jax.tree_util.tree_map(lambda a: a[0], models.data(rng, "einsum", 1))
+    assert {ghost.rule(s) for s in ghost.plan(loss_fn, params, example).sites} == {"dense"}
     loss_fn, params = models.model(rng, "tied")
     example = jax.tree_util.tree_map(lambda a: a[0], models.data(rng, "tied", 1))
     plan = ghost.plan(loss_fn, params, example)
