@@ -40,21 +40,22 @@ def ghost_is_cheaper(positions: int | None, d_in: int, d_out: int) -> bool:
     return positions * positions * (d_in + d_out) < positions * d_in * d_out
 
 
-def _keep(weights: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
-    return tf.reshape(weights > 0, [-1] + [1] * (like.shape.rank - 1))
+def _column(weights: tf.Tensor, like: tf.Tensor, axis: int = 0) -> tf.Tensor:
+    """The (B,) weights shaped to broadcast along ``axis`` (the batch axis) of ``like``."""
+    shape = [1] * like.shape.rank
+    shape[axis] = -1
+    return tf.reshape(tf.cast(weights, like.dtype), shape)
 
 
-def scaled(g: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
-    """c_i g_i, exactly 0 for rows with c_i = 0 (padded or dropped records, whose g may hold
-    NaN: 0 * NaN is NaN)."""
-    c = tf.reshape(tf.cast(weights, g.dtype), [-1] + [1] * (g.shape.rank - 1))
-    return tf.where(_keep(weights, g), g * c, tf.zeros_like(g))
+def scaled(g: tf.Tensor, weights: tf.Tensor, axis: int = 0) -> tf.Tensor:
+    """c_i g_i (batch on ``axis``), exactly 0 for rows with c_i = 0 (padded or dropped records,
+    whose g may hold NaN: 0 * NaN is NaN, ``multiply_no_nan`` gives 0)."""
+    return tf.math.multiply_no_nan(g, _column(weights, g, axis))
 
 
-def weighted_rows(per_example: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
-    """sum_i c_i P_i for materialised per-example values P (B, ...)."""
-    safe = tf.where(_keep(weights, per_example), per_example, tf.zeros_like(per_example))
-    return tf.tensordot(tf.cast(weights, per_example.dtype), safe, axes=1)
+def weighted_rows(per_example: tf.Tensor, weights: tf.Tensor, axis: int = 0) -> tf.Tensor:
+    """sum_i c_i P_i for materialised per-example values P (batch on ``axis``)."""
+    return tf.reduce_sum(scaled(per_example, weights, axis), axis=axis)
 
 
 def row_sq_norms(per_example: tf.Tensor) -> tf.Tensor:
@@ -86,24 +87,13 @@ class DenseKernel:
     by ``perm`` (EinsumDense kernels whose axes are not in (contracted, output) order).
     ``mode``: ``"ghost"``, ``"materialise"`` or ``"auto"`` (the cheaper, :func:`ghost_is_cheaper`)."""
 
-    def __init__(self, a, g: tf.Tensor, shape, *, perm=None, mode: str = "auto"):
-        """``a`` is the (B, T, d_in) input, or a function that forms it on demand together
-        with the (B, d_in, d_out) per-example gradients (layers with a faster way to form
-        those than from ``a``, such as convolutions): ``a(need_rows) -> (a or None, rows)``."""
+    def __init__(self, a: tf.Tensor, g: tf.Tensor, shape, *, perm=None, mode: str = "auto"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.g, self.shape, self.perm = g, tuple(shape), perm
-        d_in = math.prod(self.shape) // g.shape[2]
-        positions = g.shape[1]
+        self.a, self.g, self.shape, self.perm = a, g, tuple(shape), perm
         self.ghost = (mode == "ghost" or mode == "auto"
-                      and ghost_is_cheaper(positions, d_in, g.shape[2]))
-        if callable(a):
-            self.a, rows = a(not self.ghost)
-        else:
-            self.a, rows = a, None
-        if not self.ghost and rows is None:
-            rows = tf.einsum("bti,bto->bio", self.a, g)
-        self._rows = rows
+                      and ghost_is_cheaper(g.shape[1], a.shape[2], g.shape[2]))
+        self._rows = None if self.ghost else tf.einsum("bti,bto->bio", a, g)
 
     def _arrange(self, kernel: tf.Tensor, batched: bool) -> tf.Tensor:
         kernel = tf.reshape(kernel, ((-1,) if batched else ()) + self.shape)
@@ -124,11 +114,33 @@ class DenseKernel:
     def weighted_sum(self, weights: tf.Tensor) -> tf.Tensor:
         if self._rows is not None:
             return self._arrange(weighted_rows(self._rows, weights), False)
-        return self._arrange(tf.einsum("bti,bto->io", self.a, scaled(self.g, weights)), False)
+        # sum_{i,t} a_it (c_i g_it)^T: one (B T, d_in)^T (B T, d_out) matmul
+        a = tf.reshape(self.a, [-1, self.a.shape[2]])
+        g = tf.reshape(scaled(self.g, weights), [-1, self.g.shape[2]])
+        return self._arrange(tf.matmul(a, g, transpose_a=True), False)
 
     def per_example(self) -> tf.Tensor:
         rows = self._rows if self._rows is not None else tf.einsum("bti,bto->bio", self.a, self.g)
         return self._arrange(rows, True)
+
+
+class ConvKernel:
+    """A convolution kernel whose per-example gradients G_i come as one (K, B, C_out) tensor,
+    K = k_h k_w C_in (from TensorFlow's filter-gradient op on the batch folded into channel
+    groups, see :class:`~.layer_taps.ConvTap`). ||G_i||^2 sums axes 2 then 0 (one contiguous
+    and one outer reduction); the clipped sum is sum_i c_i G_i along axis 1."""
+
+    def __init__(self, rows: tf.Tensor, shape):
+        self.rows, self.shape = rows, tuple(shape)
+
+    def sq_norms(self) -> tf.Tensor:
+        return tf.reduce_sum(tf.reduce_sum(tf.square(self.rows), axis=2), axis=0)
+
+    def weighted_sum(self, weights: tf.Tensor) -> tf.Tensor:
+        return tf.reshape(weighted_rows(self.rows, weights, axis=1), self.shape)
+
+    def per_example(self) -> tf.Tensor:
+        return tf.reshape(tf.transpose(self.rows, [1, 0, 2]), (-1, *self.shape))
 
 
 class EmbeddingTable:

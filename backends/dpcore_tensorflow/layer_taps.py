@@ -61,6 +61,20 @@ def _rows(x: tf.Tensor, width: int) -> tf.Tensor:
     return tf.reshape(x, [tf.shape(x)[0], positions, width])
 
 
+def grouped_filter_grads(dtype) -> bool:
+    """Whether to fold the batch into groups of TensorFlow's filter-gradient op: its oneDNN
+    kernel (TensorFlow's default on x86 CPUs, off under ``TF_ENABLE_ONEDNN_OPTS=0``) runs
+    grouped float32 convolutions at the cost of an ordinary one; TensorFlow's own CPU kernels
+    reject groups, and XLA's CPU grouped convolutions took 26 s (not ms) for the MNIST CNN."""
+    try:  # private modules: without them take the portable im2col path
+        from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
+        from tensorflow.python.util._pywrap_util_port import IsMklEnabled
+    except ImportError:  # pragma: no cover
+        return False
+    return (tf.as_dtype(dtype) == tf.float32 and bool(IsMklEnabled())
+            and not GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
 def _activate(layer, z):
     return layer.activation(z) if layer.activation is not None else z
 
@@ -206,9 +220,11 @@ class EinsumDenseTap(_Tap):
 
 
 class ConvTap(_Tap):
-    """Conv1D/Conv2D as a matmul of image patches (B, T = output pixels, k_h k_w C_in) with the
-    kernel reshaped to (k_h k_w C_in, C_out); the patches are formed after the backward pass,
-    from the saved input, and only when the ghost norm is the cheaper choice."""
+    """Conv1D/Conv2D. Materialised per-example kernel gradients (the cheaper choice when T is
+    large, as for the MNIST CNN) come from TensorFlow's filter-gradient op with the batch
+    folded into channel groups (:func:`grouped_filter_grads`); ghost norms, and other dtypes
+    or XLA, use the layer as a matmul of image patches (B, T = output pixels, k_h k_w C_in)
+    with the kernel reshaped to (k_h k_w C_in, C_out), formed after the backward pass."""
 
     cls = (layers.Conv1D, layers.Conv2D)
 
@@ -243,9 +259,8 @@ class ConvTap(_Tap):
 
     def _windows(self, layer, x, padding, out_size):
         """The k_h k_w input windows, each (B, T, C_in): x at kernel offset (i, j) for every
-        output position, in kernel order (im2col by strided slices: on 2 CPU cores this and one
-        batched matmul took 5.6 ms for the MNIST CNN's first conv, tf.image.extract_patches
-        alone 70-100 ms and a matmul per offset 24 ms)."""
+        output position, in kernel order (im2col by strided slices; tf.image.extract_patches
+        was 10x slower)."""
         x = self._channels_last(layer, x)
         sizes, strides, rates = layer.kernel_size, layer.strides, layer.dilation_rate
         if layer.rank == 1:
@@ -267,29 +282,46 @@ class ConvTap(_Tap):
                 windows.append(tf.reshape(window, [batch, -1, channels]))
         return windows
 
+    def _per_example(self, layer, x, padding, g):
+        """(k_h k_w C_in, B, C_out): the call's per-example kernel gradients by one filter-gradient
+        op, the batch folded into channel groups: input (1, H, W, B C_in), output gradient
+        (1, H', W', B C_out), group i = example i (cost of the ordinary filter gradient; the
+        alternatives in docs/tensorflow.md were slower)."""
+        x, g = self._channels_last(layer, x), self._channels_last(layer, g)
+        sizes, strides, rates = layer.kernel_size, layer.strides, layer.dilation_rate
+        if layer.rank == 1:
+            x, g, sizes = x[:, None], g[:, None], (1, *sizes)
+            strides, rates = (1, *strides), (1, *rates)
+        batch, c_in = tf.shape(x)[0], x.shape[-1]
+
+        def fold(t):  # (B, H, W, C) -> (1, H, W, B C)
+            shape = tf.shape(t)
+            return tf.reshape(tf.transpose(t, [1, 2, 0, 3]), [1, shape[1], shape[2], -1])
+
+        grads = tf.raw_ops.Conv2DBackpropFilter(
+            input=fold(x), filter_sizes=tf.stack([*sizes, c_in, batch * layer.filters]),
+            out_backprop=fold(g), strides=[1, *strides, 1], padding=padding.upper(),
+            dilations=[1, *rates, 1])
+        return tf.reshape(grads, [-1, batch, layer.filters])
+
     def grads(self, layer, saved, gs, mode):
         g_calls = [self._channels_last(layer, gz) for gz in gs]
         g = tf.concat([_rows(gz, layer.filters) for gz in g_calls], axis=1)
-
-        def inputs(need_rows):
-            calls = [self._windows(layer, x, padding, gz.shape[1:-1])
-                     for (x, padding), gz in zip(saved, g_calls)]
-            if not need_rows:
-                return tf.concat([tf.concat(win, axis=-1) for win in calls], axis=1), None
-            # sum_t x_t g_t^T as one batched matmul of the patches with g; with one input
-            # channel the patches are stacked as (B, k_h k_w, T), which needs no transpose
-            rows = []
-            for win, gz in zip(calls, g_calls):
-                gr = _rows(gz, layer.filters)
-                if win[0].shape[-1] == 1:
-                    rows.append(tf.matmul(tf.stack([w[..., 0] for w in win], axis=1), gr))
-                else:
-                    rows.append(tf.matmul(tf.concat(win, axis=-1), gr, transpose_a=True))
-            return None, tf.add_n(rows)
-
         out = {}
-        if layer.kernel.trainable:
-            out[layer.kernel.path] = lg.DenseKernel(inputs, g, layer.kernel.shape, mode=mode)
+        kernel = layer.kernel
+        if kernel.trainable:
+            d_in = math.prod(kernel.shape[:-1])
+            ghost = mode == "ghost" or (mode == "auto" and lg.ghost_is_cheaper(
+                g.shape[1], d_in, layer.filters))
+            if ghost or not grouped_filter_grads(g.dtype):
+                patches = tf.concat([tf.concat(self._windows(layer, x, padding, gz.shape[1:-1]), -1)
+                                     for (x, padding), gz in zip(saved, g_calls)], axis=1)
+                out[kernel.path] = lg.DenseKernel(patches, g, kernel.shape,
+                                                  mode="ghost" if ghost else "materialise")
+            else:
+                rows = tf.add_n([self._per_example(layer, x, padding, gz)
+                                 for (x, padding), gz in zip(saved, gs)])
+                out[kernel.path] = lg.ConvKernel(rows, kernel.shape)
         if layer.use_bias and layer.bias.trainable:
             out[layer.bias.path] = lg.Materialised(tf.reduce_sum(g, axis=1), layer.bias.shape)
         return out

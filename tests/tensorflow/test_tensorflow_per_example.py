@@ -1,5 +1,6 @@
 """Per-example gradients of every supported layer against a float64 one-example-at-a-time
-oracle, in every mode (ghost norms, materialised, vectorized), and the fallback."""
+oracle, in every mode (ghost norms, materialised, vectorized), and the fallback; the float32
+grouped filter-gradient path of convolutions against a float32 oracle."""
 
 import numpy as np
 import pytest
@@ -7,7 +8,11 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
+import dpcore  # noqa: E402
+from dpcore_tensorflow import layer_grads as lg  # noqa: E402
+from dpcore_tensorflow import layer_taps  # noqa: E402
 from dpcore_tensorflow.bookkeeping import ClippedGradients, FallbackWarning  # noqa: E402
+from dpcore_tensorflow.kernels import GroupClipper  # noqa: E402
 from dpcore_tensorflow.layer_taps import CrossExampleLayerError  # noqa: E402
 
 L = keras.layers
@@ -166,3 +171,48 @@ def test_regularizers_are_refused_not_ignored():
     model = _model([f64(L.Dense, 3, kernel_regularizer="l2")], (4,))
     with pytest.raises(ValueError, match="kernel_regularizer.*weight_decay"):
         ClippedGradients(model)
+
+
+def _float32_convs():
+    """Conv layers (strides, same and causal padding, dilation, a layer called twice) in
+    float32, the dtype of the grouped filter-gradient path."""
+    inputs = keras.Input((9, 8, 2))
+    shared = L.Conv2D(2, 3, padding="same", activation="tanh")
+    x = L.Conv2D(3, (3, 2), strides=2, padding="same", activation="tanh")(inputs)
+    x = shared(shared(L.Conv2D(2, 2, dilation_rate=2, padding="same")(x)))
+    x = L.Reshape((-1, 2))(x)
+    x = L.Conv1D(3, 3, padding="causal", dilation_rate=2, activation="tanh")(x)
+    return keras.Model(inputs, L.Dense(3)(L.Flatten()(L.Conv1D(2, 2, strides=2)(x))))
+
+
+@pytest.mark.skipif(not layer_taps.grouped_filter_grads(tf.float32),
+                    reason="no grouped filter-gradient op (oneDNN off)")
+def test_grouped_conv_grads_and_clipped_sums_match_oracle():
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(B, 9, 8, 2)).astype("float32")
+    y = rng.normal(size=(B, 3)).astype("float32")
+    keras.utils.set_random_seed(4)
+    model = _float32_convs()
+    expected = oracle(model, x, y, mse)
+    engine = ClippedGradients(model, "materialise")
+    objects, *_ = engine._grad_objects(tf.constant(x), tf.constant(y), mse, tf.ones([B], bool))
+    kernels = [v.path for v in model.trainable_variables if "conv" in v.path and "kernel" in v.path]
+    assert len(kernels) == 5 and all(isinstance(objects[k], lg.ConvKernel) for k in kernels)
+    for name, rows in expected.items():
+        np.testing.assert_allclose(objects[name].per_example().numpy(), rows, rtol=1e-4,
+                                   atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(objects[name].sq_norms().numpy(),
+                                   np.square(rows).reshape(B, -1).sum(1), rtol=1e-4, atol=1e-6)
+    # clipped sum sum_i c_i G_i, flat clip 0.3, and a masked-out row holding NaN
+    names = list(expected)
+    clipper = GroupClipper(dpcore.flat(names, 0.3, 1.0), names)
+    norms = np.sqrt(sum(np.square(r).reshape(B, -1).sum(1) for r in expected.values()))
+    factors = np.minimum(1.0, 0.3 / norms) * (np.arange(B) != 1)
+    x[1, 0, 0, 0] = np.nan
+    mask = tf.constant(np.arange(B) != 1)
+    sums, bad, *_ = engine.clipped_sums(tf.constant(x), tf.constant(y), mse, clipper,
+                                        tf.constant([0.3], tf.float64), mask)
+    assert not bad.numpy().any()
+    for name, rows in expected.items():
+        np.testing.assert_allclose(sums[name].numpy(), np.tensordot(factors, rows, axes=1),
+                                   rtol=1e-4, atol=1e-6, err_msg=name)
