@@ -77,15 +77,20 @@ class GroupClipper:
 def noisy_mean(sums: Mapping[str, tf.Tensor], leaves: Sequence[str], stds: tf.Tensor,
                generator: tf.random.Generator, expected_size: float) -> dict[str, tf.Tensor]:
     """``(sums[j] + stds[j] N(0, I)) / (q n)`` for the ``leaves`` (stds in that order, from
-    :func:`leaf_stds_of`), noise from ``generator``, in graph.
+    :func:`leaf_stds_of`), noise from ``generator``, in graph: one draw of sum_j d_j normals
+    (float64 if any leaf is, else float32), split into the leaves (one random op instead of
+    one per leaf: each costs a state read and a kernel launch).
 
     The caller must have written the step's sum-query events to the ledger before the result
     of the function that runs this is released."""
     if not expected_size > 0:
         raise ValueError(f"expected number of records q*n must be > 0, got {expected_size!r}")
+    totals = [sums[leaf] for leaf in leaves]
+    dtype = tf.float64 if any(t.dtype == tf.float64 for t in totals) else tf.float32
+    sizes = [t.shape.num_elements() for t in totals]
+    noise = tf.split(generator.normal([sum(sizes)], dtype=dtype), sizes)
     out = {}
-    for j, leaf in enumerate(leaves):
-        total = sums[leaf]
-        noise = generator.normal(tf.shape(total), dtype=total.dtype)
-        out[leaf] = (total + tf.cast(stds[j], total.dtype) * noise) / expected_size
+    for j, (leaf, total) in enumerate(zip(leaves, totals)):
+        z = tf.cast(tf.reshape(noise[j], tf.shape(total)), total.dtype)
+        out[leaf] = (total + tf.cast(stds[j], total.dtype) * z) / expected_size
     return out
