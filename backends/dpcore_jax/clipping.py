@@ -65,16 +65,9 @@ def _chunk(loss_fn, mechanism, method, params, batch, mask):
         example = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
         plan = ghost.plan(loss_fn, jax.tree_util.tree_map(_spec, params), example)
         fallback_grads, site_grads, acts = ghost.per_example_parts(plan, named, batch)
-        sq = {}
-        sites = []  # sites whose rule formed no per-example gradients: summed by book-keeping
-        for site in plan.sites:
-            sq_site, formed = ghost.site_norms_and_grads(
-                site, named[site.leaf], acts[site.index], site_grads[site.index])
-            sq[site.leaf] = sq_site
-            if formed is None:
-                sites.append(site)
-            else:
-                fallback_grads[site.leaf] = formed
+        sites = plan.sites  # summed by book-keeping
+        sq = {site.leaf: ghost.site_sq_norms(site, named[site.leaf], acts[site.index],
+                                             site_grads[site.index]) for site in sites}
         sq.update({leaf: jnp.sum(g.reshape(rows, math.prod(g.shape[1:])) ** 2, axis=1)
                    for leaf, g in fallback_grads.items() if leaf not in sq})
     dtype = jnp.result_type(jnp.float32, *[v.dtype for v in sq.values()])
@@ -101,11 +94,13 @@ def _chunk(loss_fn, mechanism, method, params, batch, mask):
                 sums[leaf] = jnp.zeros_like(named[leaf])
         return {leaf: sums[leaf].astype(named[leaf].dtype) for leaf in leaves}
 
-    # Factors are 0 on padded and dropped rows, but 0 * NaN is NaN: rows are zeroed first
-    # unless every row's norms (padded rows included) are finite, hence every value they
-    # were computed from (a non-finite entry of a_i or g_i makes ||.||^2 Inf or NaN).
-    sums = jax.lax.cond(jnp.all(finite), lambda: weighted_sums(False),
-                        lambda: weighted_sums(True))
+    # Factors are 0 on padded and dropped rows, but 0 * NaN is NaN: when some row's norms
+    # (padded rows included) are not finite, the sums are recomputed with those rows zeroed.
+    # Otherwise every value the norms were computed from is finite (a non-finite entry of
+    # a_i or g_i makes ||.||^2 Inf or NaN) and the sums stand. (The common case stays
+    # outside lax.cond: XLA:CPU leaves convolutions inside a branch on a slow path.)
+    sums = weighted_sums(False)
+    sums = jax.lax.cond(jnp.all(finite), lambda: sums, lambda: weighted_sums(True))
     return sums, nonfinite, factors
 
 

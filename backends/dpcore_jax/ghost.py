@@ -20,7 +20,8 @@ added to y (dl_i/dz = g_i), so no per-example gradient of W is formed. The per-e
 * ``gather`` of rows (embedding lookups E[ids]): the gradient scatters g_{i,p} into rows
   ids_p, so ||dl_i/dE||^2 = sum_{p,p'} [ids_p = ids_p'] g_{i,p} . g_{i,p'};
 * anything else (convolutions, bias broadcasts, scales): the per-example VJP is formed under
-  ``vmap`` and squared, exactly (it is small or, for convolutions, what vmap(grad) forms).
+  ``vmap`` and squared, exactly (it is small or, for convolutions, what vmap(grad) forms);
+  it serves only the norm, the sum is still one book-keeping backward step.
 
 Leaves used more than once, or inside control flow or custom-derivative calls, are
 differentiated per example under ``vmap`` (the fallback). :func:`plan` finds the sites by
@@ -263,21 +264,21 @@ def rule(site: Site) -> str:
     return "formed"
 
 
-def site_norms_and_grads(site: Site, weight, acts, g):
-    """``(||dl_i/dW||^2 (B,), dl_i/dW (B, *W) or None)`` of a site by its :func:`rule`; the
-    per-example gradients are returned when the rule formed them."""
+def site_sq_norms(site: Site, weight, acts, g):
+    """||dl_i/dW||^2 (B,) of a site by its :func:`rule` (a formed per-example gradient is
+    squared and summed in whatever layout XLA gives it, and only used for its norm)."""
     batch = g.shape[0]
     kind = rule(site)
     if kind == "dense":
-        return _dot_sq_norms(*_dot_factors(site, acts, g)), None
+        return _dot_sq_norms(*_dot_factors(site, acts, g))
     if kind == "rows":
         (indices,) = acts
         ids = jnp.clip(indices[..., 0], 0, weight.shape[0] - 1).reshape(batch, -1)
         rows = g.reshape(batch, ids.shape[1], math.prod(g.shape[1:]) // ids.shape[1])
         same = (ids[:, :, None] == ids[:, None, :]).astype(rows.dtype)
-        return jnp.sum(same * jnp.einsum("bpd,bqd->bpq", rows, rows), axis=(1, 2)), None
+        return jnp.sum(same * jnp.einsum("bpd,bqd->bpq", rows, rows), axis=(1, 2))
     per_example = _vjp_per_example(site, weight, acts, g)
-    return jnp.sum(per_example.reshape(batch, math.prod(per_example.shape[1:])) ** 2, axis=1), per_example
+    return jnp.sum(per_example ** 2, axis=tuple(range(1, per_example.ndim)))
 
 
 def _rows_scaled(x, weights):
@@ -305,7 +306,7 @@ def _dense_weighted_sum(site: Site, weight, acts, g, weights):
 def site_weighted_sum(site: Site, weight, acts, g, weights):
     """sum_i weights_i dl_i/dW: for a ``"dense"`` site one contraction of activations and
     output gradients, otherwise one backward step of the batched operation with the
-    cotangents g_i scaled by weights_i."""
+    cotangents g_i scaled by weights_i (for a convolution, the ordinary filter gradient)."""
     if rule(site) == "dense":
         return _dense_weighted_sum(site, weight, acts, g, weights)
     batch = g.shape[0]
