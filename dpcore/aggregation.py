@@ -15,6 +15,7 @@ CuPy, array-api-strict) and returns arrays of the same namespace and device.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Mapping, Sequence
 
@@ -46,44 +47,47 @@ def per_leaf_sq_norms(per_record: Mapping[str, object], leaves: Sequence[str]):
     return xp.stack([xp.sum(_flat(a, xp, batch) ** 2, axis=1) for a in arrays], axis=1)
 
 
-def group_weights(mechanism: Mechanism, leaves: Sequence[str]) -> np.ndarray:
+@functools.lru_cache(maxsize=256)
+def group_weights(mechanism: Mechanism, leaves: tuple[str, ...]) -> np.ndarray:
     """W of shape (L, G) with W[j, g] = 1 / alpha_j^2 if leaf j is in group g, else 0, so that
-    ``norms = sqrt(sq_norms @ W)``."""
+    ``norms = sqrt(sq_norms @ W)`` (read-only; cached per mechanism and leaf order)."""
     index = {leaf: j for j, leaf in enumerate(leaves)}
     weights = np.zeros((len(leaves), len(mechanism.groups)))
     for g, group in enumerate(mechanism.groups):
         for leaf in group.leaves:
             weights[index[leaf], g] = 1.0 / group.scale(leaf) ** 2
+    weights.setflags(write=False)
     return weights
 
 
 def group_norms(sq_norms, mechanism: Mechanism, leaves: Sequence[str]):
     """Norms (B, G) of each record's (scaled) group vectors from per-leaf squared norms (B, L).
 
-    A record with any non-finite squared norm gets norm ``inf`` in every group (so that
-    :func:`clip_factors` raises or drops it), without forming inf * 0 in the product."""
+    A record with a non-finite squared norm gets non-finite norms (Inf, or NaN where the
+    product forms Inf * 0), on which :func:`clip_factors` raises or which it drops. One group
+    of unit scales (flat clipping) is a row sum."""
     xp = array_namespace(sq_norms)
-    weights = xp.asarray(group_weights(mechanism, leaves).tolist(), dtype=sq_norms.dtype,
-                         device=device(sq_norms))
-    finite = xp.all(xp.isfinite(sq_norms), axis=1)[:, None]
-    norms = xp.sqrt(xp.where(finite, sq_norms, xp.zeros_like(sq_norms)) @ weights)
-    return xp.where(finite, norms, xp.full_like(norms, math.inf))
+    weights = group_weights(mechanism, tuple(leaves))
+    if weights.shape[1] == 1 and np.all(weights == 1.0):
+        return xp.sqrt(xp.sum(sq_norms, axis=1, keepdims=True))
+    weights = xp.asarray(weights.tolist(), dtype=sq_norms.dtype, device=device(sq_norms))
+    with np.errstate(invalid="ignore"):  # Inf * 0 of a non-finite record (NumPy arrays)
+        return xp.sqrt(sq_norms @ weights)
 
 
 def clip_factors(norms, clips: Sequence[float], *, mask=None, on_nonfinite: str = "raise"):
     """min(1, S_g / norm) per record and group, (B, G).
 
     ``mask`` (B,) marks the real records of a padded batch; padded rows get factor 0. A record
-    with a non-finite norm raises :class:`NonFiniteNormError` (``on_nonfinite="raise"``, which
-    reads one boolean back to the host) or gets factor 0 in every group (``"drop"``, which
-    stays on the device and suits jit). Dropping a record is private: its contribution is 0.
+    with a non-finite norm (in any group) raises :class:`NonFiniteNormError`
+    (``on_nonfinite="raise"``, which reads one boolean back to the host) or gets factor 0 in
+    every group (``"drop"``, which stays on the device and suits jit). Dropping a record is
+    private: its contribution is 0.
     """
     if on_nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, got {on_nonfinite!r}")
     xp = array_namespace(norms)
-    bounds = xp.asarray([float(s) for s in clips], dtype=norms.dtype, device=device(norms))
     finite = xp.all(xp.isfinite(norms), axis=1)
-    keep = finite if mask is None else xp.logical_and(finite, xp.astype(mask, xp.bool))
     if on_nonfinite == "raise":
         bad = xp.logical_not(finite) if mask is None else xp.logical_and(
             xp.logical_not(finite), xp.astype(mask, xp.bool))
@@ -93,9 +97,20 @@ def clip_factors(norms, clips: Sequence[float], *, mask=None, on_nonfinite: str 
                 f"records {rows[:10]}{' ...' if len(rows) > 10 else ''} have a NaN or "
                 f"infinite norm (NaN/Inf in the gradient, or a norm beyond the dtype's range); "
                 f"fix the model or loss, or pass on_nonfinite='drop' to give them weight 0")
-    safe = xp.where(xp.isfinite(norms), norms, xp.zeros_like(norms))
-    factors = bounds / xp.maximum(safe, bounds)
-    return xp.where(keep[:, None], factors, xp.zeros_like(factors))
+        if mask is None:  # every row finite and real: no masking needed
+            return _bounded(norms, clips, xp)
+    keep = finite if mask is None else xp.logical_and(finite, xp.astype(mask, xp.bool))
+    safe = xp.where(keep[:, None], norms, xp.zeros_like(norms))
+    return xp.where(keep[:, None], _bounded(safe, clips, xp), xp.zeros_like(norms))
+
+
+def _bounded(norms, clips: Sequence[float], xp):
+    """S_g / max(norm, S_g) = min(1, S_g / norm), with 1 for a zero norm."""
+    if len(clips) == 1:
+        clip = float(clips[0])
+        return clip / xp.clip(norms, min=clip)
+    bounds = xp.asarray([float(s) for s in clips], dtype=norms.dtype, device=device(norms))
+    return bounds / xp.maximum(norms, bounds)
 
 
 def clipped_sum(per_record: Mapping[str, object], factors, mechanism: Mechanism,
