@@ -17,6 +17,7 @@ alpha_j are fixed (:func:`structure`).
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, Sequence
 
 import tensorflow as tf
@@ -57,29 +58,39 @@ class GroupClipper:
     def factors(self, sq_norms: tf.Tensor, clips: tf.Tensor, mask: tf.Tensor | None = None):
         """``(factors (B, G), nonfinite (B,) bool)`` for clips S_g (G,); non-finite rows among
         the real (masked-in) records are reported in ``nonfinite`` and get factor 0."""
-        dtype = sq_norms.dtype
-        finite = tf.reduce_all(tf.math.is_finite(sq_norms), axis=1)
-        safe = tf.where(finite[:, None], sq_norms, tf.zeros_like(sq_norms))
-        norms = tf.sqrt(tf.matmul(safe, tf.constant(self._weights, dtype=dtype)))
-        finite = tf.logical_and(finite, tf.reduce_all(tf.math.is_finite(norms), axis=1))
-        clips = tf.cast(clips, dtype)
-        factors = clips / tf.maximum(tf.where(finite[:, None], norms, tf.zeros_like(norms)), clips)
+        # a NaN or Inf leaf makes its group's norm NaN or Inf (its weight is > 0, the squared
+        # norms are >= 0), so checking the (B, G) norms checks every leaf
+        norms = tf.sqrt(tf.matmul(sq_norms, tf.constant(self._weights, dtype=sq_norms.dtype)))
+        finite = tf.reduce_all(tf.math.is_finite(norms), axis=1)
+        clips = tf.cast(clips, norms.dtype)
         real = tf.ones_like(finite) if mask is None else tf.cast(mask, tf.bool)
         keep = tf.logical_and(finite, real)
-        factors = tf.where(keep[:, None], factors, tf.zeros_like(factors))
+        factors = tf.where(keep[:, None], clips / tf.maximum(norms, clips), tf.zeros_like(norms))
         return factors, tf.logical_and(tf.logical_not(finite), real)
 
     def leaf_factors(self, factors: tf.Tensor) -> dict[str, tf.Tensor]:
         """The (B,) factor that scales each leaf's per-record values."""
-        return {leaf: factors[:, g] for leaf, g in self.column.items()}
+        columns = tf.unstack(factors, num=len(self.structure), axis=1)
+        return {leaf: columns[g] for leaf, g in self.column.items()}
+
+
+def standard_normal(generator: tf.random.Generator, n: int, dtype=tf.float32) -> tf.Tensor:
+    """(n,) N(0, 1) samples by Box-Muller on the generator's Philox uniforms u, v in [0, 1):
+    sqrt(-2 log(1 - u)) (cos 2 pi v, sin 2 pi v). TensorFlow's own normal kernel computes the
+    same transform element by element; as vectorised ops it is faster on CPU (one core, the
+    covertype MLP's 16,307 normals: ~0.15 instead of ~0.25 ms of its ~1.2 ms DP step). Tails
+    reach sqrt(-2 log 2^-23) = 5.6 for float32 (TensorFlow's kernel: 5.7), 8.5 for float64."""
+    u, v = tf.unstack(generator.uniform([2, (n + 1) // 2], dtype=dtype))
+    radius = tf.sqrt(-2.0 * tf.math.log1p(-u))
+    angle = (2.0 * math.pi) * v
+    return tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], 0)[:n]
 
 
 def noisy_mean(sums: Mapping[str, tf.Tensor], leaves: Sequence[str], stds: tf.Tensor,
                generator: tf.random.Generator, expected_size: float) -> dict[str, tf.Tensor]:
     """``(sums[j] + stds[j] N(0, I)) / (q n)`` for the ``leaves`` (stds in that order, from
     :func:`leaf_stds_of`), noise from ``generator``, in graph: one draw of sum_j d_j normals
-    (float64 if any leaf is, else float32), split into the leaves (one random op instead of
-    one per leaf: each costs a state read and a kernel launch).
+    (float64 if any leaf is, else float32) split into the leaves.
 
     The caller must have written the step's sum-query events to the ledger before the result
     of the function that runs this is released."""
@@ -88,9 +99,10 @@ def noisy_mean(sums: Mapping[str, tf.Tensor], leaves: Sequence[str], stds: tf.Te
     totals = [sums[leaf] for leaf in leaves]
     dtype = tf.float64 if any(t.dtype == tf.float64 for t in totals) else tf.float32
     sizes = [t.shape.num_elements() for t in totals]
-    noise = tf.split(generator.normal([sum(sizes)], dtype=dtype), sizes)
+    noise = tf.split(standard_normal(generator, sum(sizes), dtype), sizes)
+    scales = tf.unstack(tf.cast(stds / expected_size, dtype), num=len(leaves))
     out = {}
-    for j, (leaf, total) in enumerate(zip(leaves, totals)):
-        z = tf.cast(tf.reshape(noise[j], tf.shape(total)), total.dtype)
-        out[leaf] = (total + tf.cast(stds[j], total.dtype) * z) / expected_size
+    for leaf, total, z, scale in zip(leaves, totals, noise, scales):
+        z, scale = tf.cast(tf.reshape(z, total.shape), total.dtype), tf.cast(scale, total.dtype)
+        out[leaf] = total / expected_size + scale * z
     return out

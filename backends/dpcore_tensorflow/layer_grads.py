@@ -58,21 +58,34 @@ def weighted_rows(per_example: tf.Tensor, weights: tf.Tensor, axis: int = 0) -> 
     return tf.reduce_sum(scaled(per_example, weights, axis), axis=axis)
 
 
+def in_xla() -> bool:
+    """Whether the graph being built is compiled by XLA (``jit_compile``)."""
+    try:  # a private module: without it, assume not
+        from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
+    except ImportError:  # pragma: no cover
+        return False
+    return GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
 def row_sq_norms(per_example: tf.Tensor) -> tf.Tensor:
-    """(B,) squared norms of the rows of (B, ...)."""
-    return tf.reduce_sum(tf.reshape(tf.square(per_example), [tf.shape(per_example)[0], -1]), 1)
+    """(B,) squared norms of the rows of (B, ...): by TensorFlow's one-pass norm op (square
+    and sum are two ops and a (B, ...) temporary), under XLA (no norm op; it fuses) by both."""
+    rows = tf.reshape(per_example, [tf.shape(per_example)[0], -1])
+    if in_xla():
+        return tf.reduce_sum(tf.square(rows), axis=1)
+    return tf.square(tf.math.reduce_euclidean_norm(rows, axis=1))
 
 
 class Materialised:
     """A parameter whose per-example gradients (B, *shape) are cheap to form (biases,
-    normalisation scales and offsets)."""
+    normalisation scales and offsets); ``sq_norms`` if their squared norms are known."""
 
-    def __init__(self, per_example: tf.Tensor, shape):
+    def __init__(self, per_example: tf.Tensor, shape, sq_norms: tf.Tensor | None = None):
         self.shape = tuple(shape)
-        self._rows = per_example
+        self._rows, self._sq_norms = per_example, sq_norms
 
     def sq_norms(self) -> tf.Tensor:
-        return row_sq_norms(self._rows)
+        return row_sq_norms(self._rows) if self._sq_norms is None else self._sq_norms
 
     def weighted_sum(self, weights: tf.Tensor) -> tf.Tensor:
         return tf.reshape(weighted_rows(self._rows, weights), self.shape)
@@ -85,12 +98,14 @@ class DenseKernel:
     """The kernel of a layer seen as a (B, T, d_in) -> (B, T, d_out) matmul (Dense, EinsumDense,
     Conv on patches). Its d_in x d_out gradient is reshaped to ``shape`` and then transposed
     by ``perm`` (EinsumDense kernels whose axes are not in (contracted, output) order).
-    ``mode``: ``"ghost"``, ``"materialise"`` or ``"auto"`` (the cheaper, :func:`ghost_is_cheaper`)."""
+    ``mode``: ``"ghost"``, ``"materialise"`` or ``"auto"`` (the cheaper, :func:`ghost_is_cheaper`).
+    ``g_sq``: ||g_i||^2 if known (T = 1, where it is also the bias's squared norm)."""
 
-    def __init__(self, a: tf.Tensor, g: tf.Tensor, shape, *, perm=None, mode: str = "auto"):
+    def __init__(self, a: tf.Tensor, g: tf.Tensor, shape, *, perm=None, mode: str = "auto",
+                 g_sq: tf.Tensor | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.a, self.g, self.shape, self.perm = a, g, tuple(shape), perm
+        self.a, self.g, self.shape, self.perm, self._g_sq = a, g, tuple(shape), perm, g_sq
         self.ghost = (mode == "ghost" or mode == "auto"
                       and ghost_is_cheaper(g.shape[1], a.shape[2], g.shape[2]))
         self._rows = None if self.ghost else tf.einsum("bti,bto->bio", a, g)
@@ -105,8 +120,8 @@ class DenseKernel:
         if not self.ghost:
             return row_sq_norms(self._rows)
         if self.a.shape[1] == 1:
-            return (tf.reduce_sum(tf.square(self.a), axis=[1, 2])
-                    * tf.reduce_sum(tf.square(self.g), axis=[1, 2]))
+            g_sq = row_sq_norms(self.g) if self._g_sq is None else self._g_sq
+            return row_sq_norms(self.a) * g_sq
         aa = tf.matmul(self.a, self.a, transpose_b=True)
         gg = tf.matmul(self.g, self.g, transpose_b=True)
         return tf.reduce_sum(aa * gg, axis=[1, 2])

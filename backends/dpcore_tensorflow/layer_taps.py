@@ -57,8 +57,9 @@ def check_no_regularizers(model: keras.layers.Layer) -> None:
 def _rows(x: tf.Tensor, width: int) -> tf.Tensor:
     """(B, ..., width) -> (B, T, width), with T static when the middle axes are."""
     middle = x.shape[1:-1]
-    positions = math.prod(middle) if all(d is not None for d in middle) else -1
-    return tf.reshape(x, [tf.shape(x)[0], positions, width])
+    if all(d is not None for d in middle):
+        return tf.reshape(x, [-1, math.prod(middle), width])
+    return tf.reshape(x, [tf.shape(x)[0], -1, width])
 
 
 def grouped_filter_grads(dtype) -> bool:
@@ -66,13 +67,11 @@ def grouped_filter_grads(dtype) -> bool:
     kernel (TensorFlow's default on x86 CPUs, off under ``TF_ENABLE_ONEDNN_OPTS=0``) runs
     grouped float32 convolutions at the cost of an ordinary one; TensorFlow's own CPU kernels
     reject groups, and XLA's CPU grouped convolutions took 26 s (not ms) for the MNIST CNN."""
-    try:  # private modules: without them take the portable im2col path
-        from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
+    try:  # a private module: without it take the portable im2col path
         from tensorflow.python.util._pywrap_util_port import IsMklEnabled
     except ImportError:  # pragma: no cover
         return False
-    return (tf.as_dtype(dtype) == tf.float32 and bool(IsMklEnabled())
-            and not GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+    return tf.as_dtype(dtype) == tf.float32 and bool(IsMklEnabled()) and not lg.in_xla()
 
 
 def _activate(layer, z):
@@ -140,11 +139,13 @@ class DenseTap(_Tap):
         d_in, d_out = layer.kernel.shape
         a = tf.concat([_rows(x, d_in) for x in saved], axis=1)
         g = tf.concat([_rows(gz, d_out) for gz in gs], axis=1)
+        bias_rows = tf.reduce_sum(g, axis=1)
+        g_sq = lg.row_sq_norms(bias_rows) if g.shape[1] == 1 else None  # T = 1: one norm for both
         out = {}
         if layer.kernel.trainable:
-            out[layer.kernel.path] = lg.DenseKernel(a, g, layer.kernel.shape, mode=mode)
+            out[layer.kernel.path] = lg.DenseKernel(a, g, layer.kernel.shape, mode=mode, g_sq=g_sq)
         if layer.bias is not None and layer.bias.trainable:
-            out[layer.bias.path] = lg.Materialised(tf.reduce_sum(g, axis=1), layer.bias.shape)
+            out[layer.bias.path] = lg.Materialised(bias_rows, layer.bias.shape, g_sq)
         return out
 
 

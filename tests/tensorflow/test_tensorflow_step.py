@@ -222,3 +222,17 @@ def test_fit_on_a_poisson_dataset_and_a_custom_loop_share_the_ledger():
     for xb, yb, mask in poisson_dataset(x, y, sampler=agg.sampler, steps=2):
         optimizer.apply(dp(xb, yb, mask), private.model.trainable_variables)
     assert agg.ledger.steps() == [dpcore.Step(0.1, 0.5, 5)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_box_muller_noise_is_standard_normal(dtype):
+    from scipy import stats
+
+    from dpcore_tensorflow.kernels import standard_normal
+    z = standard_normal(tf.random.Generator.from_seed(7), 400_001, tf.as_dtype(dtype)).numpy()
+    assert z.shape == (400_001,) and z.dtype == dtype and np.isfinite(z).all()
+    assert stats.kstest(z, "norm").pvalue > 1e-3
+    assert abs(z.mean()) < 0.01 and abs(z.std() - 1) < 0.01
+    assert abs(np.mean(np.abs(z) > 3) - 2 * stats.norm.sf(3)) < 5e-4
+    pairs = z[:400_000].reshape(2, -1)  # cos and sin halves of one (u, v) are uncorrelated
+    assert abs(np.corrcoef(pairs)[0, 1]) < 0.01
