@@ -75,8 +75,9 @@ def group_norms(sq_norms, mechanism: Mechanism, leaves: Sequence[str]):
         return xp.sqrt(sq_norms @ weights)
 
 
-def clip_factors(norms, clips: Sequence[float], *, mask=None, on_nonfinite: str = "raise"):
-    """min(1, S_g / norm) per record and group, (B, G).
+def clip_factors(norms, clips, *, mask=None, on_nonfinite: str = "raise"):
+    """min(1, S_g / norm) per record and group, (B, G); ``clips`` are the S_g, floats or an
+    array (G,) of the norms' namespace (a traced argument of a compiled step).
 
     ``mask`` (B,) marks the real records of a padded batch; padded rows get factor 0. A record
     with a non-finite norm (in any group) raises :class:`NonFiniteNormError`
@@ -104,12 +105,15 @@ def clip_factors(norms, clips: Sequence[float], *, mask=None, on_nonfinite: str 
     return xp.where(keep[:, None], _bounded(safe, clips, xp), xp.zeros_like(norms))
 
 
-def _bounded(norms, clips: Sequence[float], xp):
+def _bounded(norms, clips, xp):
     """S_g / max(norm, S_g) = min(1, S_g / norm), with 1 for a zero norm."""
-    if len(clips) == 1:
+    if hasattr(clips, "shape"):
+        bounds = xp.astype(clips, norms.dtype)
+    elif len(clips) == 1:
         clip = float(clips[0])
         return clip / xp.clip(norms, min=clip)
-    bounds = xp.asarray([float(s) for s in clips], dtype=norms.dtype, device=device(norms))
+    else:
+        bounds = xp.asarray([float(s) for s in clips], dtype=norms.dtype, device=device(norms))
     return bounds / xp.maximum(norms, bounds)
 
 

@@ -106,15 +106,18 @@ class JaxBackend(contract.Backend):
     def private_gradient(self, loss_fn: Callable, params: Mapping[str, Any], batch, aggregator,
                          *, mask=None) -> dict:
         """``{leaf name: private mean gradient}``: the compiled clipping kernel (ghost norms and
-        book-keeping sums, :mod:`dpcore_jax.clipping`, one program per ``loss_fn``, mechanism
-        and batch shape), then ``aggregator.release_sums``, which writes the ledger, adds the
-        noise from the aggregator's generator and divides by q n. Going through the
+        book-keeping sums, :mod:`dpcore_jax.clipping`, one program per ``loss_fn``, groups
+        and batch shape; the clips are an argument, so moving clips do not recompile), then
+        ``aggregator.release_sums``, which writes the ledger, adds the noise from the
+        aggregator's generator and divides by q n. Going through the
         aggregator keeps every clipping policy it supports (schedules, adaptive clipping);
         :class:`dpcore_jax.PrivateStep` fuses the noise and the update into the program too."""
-        from .grad import clipping_kernel
+        from .grad import clip_free, clipping_kernel
 
         mechanism = aggregator.mechanism
-        sums, nonfinite, factors = clipping_kernel(loss_fn, mechanism)(params, batch, mask)
+        clips = jnp.asarray([g.clip for g in mechanism.groups])
+        sums, nonfinite, factors = clipping_kernel(loss_fn, clip_free(mechanism))(
+            params, batch, mask, clips)
         if aggregator.on_nonfinite == "raise" and int(nonfinite):
             raise NonFiniteNormError(
                 f"{int(nonfinite)} record(s) of this batch have a NaN or infinite gradient "

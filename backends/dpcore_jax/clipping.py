@@ -51,7 +51,7 @@ def _keep_rows(x, keep):
     return jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
 
-def _chunk(loss_fn, mechanism, method, params, batch, mask):
+def _chunk(loss_fn, mechanism, method, params, batch, mask, clips):
     """(sums by leaf name, nonfinite count) of one chunk of rows."""
     leaves = mechanism.leaves
     named = named_leaves(params)
@@ -74,8 +74,7 @@ def _chunk(loss_fn, mechanism, method, params, batch, mask):
     zero = jnp.zeros((rows,), dtype)
     sq_norms = jnp.stack([sq.get(leaf, zero).astype(dtype) for leaf in leaves], axis=1)
     norms = aggregation.group_norms(sq_norms, mechanism, leaves)
-    factors = aggregation.clip_factors(norms, [g.clip for g in mechanism.groups], mask=mask,
-                                       on_nonfinite="drop")
+    factors = aggregation.clip_factors(norms, clips, mask=mask, on_nonfinite="drop")
     finite = jnp.all(jnp.isfinite(norms), axis=1)
     keep = jnp.logical_and(mask, finite)
     nonfinite = jnp.sum(jnp.logical_and(mask, jnp.logical_not(finite)), dtype=jnp.int32)
@@ -106,9 +105,10 @@ def _chunk(loss_fn, mechanism, method, params, batch, mask):
 
 def clipped_sums(loss_fn: Callable, mechanism: Mechanism, *, chunk_size: int | None = None,
                  method: str = "ghost", with_factors: bool = False) -> Callable:
-    """A pure function ``(params, batch, mask) -> (sums, nonfinite)``: the clipped per-leaf
-    sums as a pytree like ``params`` and the number of real rows with a non-finite norm
-    (given weight 0); ``with_factors=True`` appends the clip factors (B, G). ``loss_fn(params, batch) -> (B,)`` is the per-record loss; ``mask``
+    """A pure function ``(params, batch, mask, clips=None) -> (sums, nonfinite)``: the clipped
+    per-leaf sums as a pytree like ``params`` and the number of real rows with a non-finite
+    norm (given weight 0); ``with_factors=True`` appends the clip factors (B, G). ``clips``
+    (G,) replaces the mechanism's clips (a traced argument: moving clips do not recompile). ``loss_fn(params, batch) -> (B,)`` is the per-record loss; ``mask``
     (B,) bool marks real rows (None: all). ``method`` is ``"ghost"`` (norms and sums from
     each leaf's operation, see :mod:`dpcore_jax.ghost`) or ``"vmap"`` (per-example
     gradients of every leaf). With ``chunk_size``, B must be a multiple of it."""
@@ -120,14 +120,17 @@ def clipped_sums(loss_fn: Callable, mechanism: Mechanism, *, chunk_size: int | N
     if not isinstance(mechanism, Mechanism):
         raise TypeError(f"mechanism must be a dpcore Mechanism, got {mechanism!r}")
 
-    def run(params, batch, mask=None):
+    def run(params, batch, mask=None, clips=None):
         mechanism.check_leaves(leaf_names(params))
         rows = _rows(batch)
         mask = jnp.ones((rows,), bool) if mask is None else jnp.asarray(mask, bool)
+        if clips is None:
+            clips = [g.clip for g in mechanism.groups]
         if mask.shape != (rows,):
             raise ValueError(f"mask must have shape ({rows},) like the batch, got {mask.shape}")
         if chunk_size is None or chunk_size >= rows:
-            sums, nonfinite, factors = _chunk(loss_fn, mechanism, method, params, batch, mask)
+            sums, nonfinite, factors = _chunk(loss_fn, mechanism, method, params, batch, mask,
+                                              clips)
             return _result(params, sums, nonfinite, factors)
         if rows % chunk_size:
             raise ValueError(f"a batch of {rows} rows cannot be split into chunks of "
@@ -137,7 +140,7 @@ def clipped_sums(loss_fn: Callable, mechanism: Mechanism, *, chunk_size: int | N
         def body(carry, xs):
             chunk_batch, chunk_mask = xs
             sums, nonfinite, factors = _chunk(loss_fn, mechanism, method, params, chunk_batch,
-                                              chunk_mask)
+                                              chunk_mask, clips)
             total, count = carry
             return ({leaf: total[leaf] + sums[leaf] for leaf in total}, count + nonfinite), factors
 

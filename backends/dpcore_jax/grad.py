@@ -20,6 +20,7 @@ import jax
 
 from dpcore.aggregation import NonFiniteNormError
 from dpcore.ledger import SumQueryEvent
+from dpcore.queries import Group, Mechanism
 
 from .backend import JaxBackend
 from .clipping import clipped_sums, noisy_mean
@@ -119,7 +120,17 @@ def private_grad(loss_fn: Callable, aggregator, *, chunk_size: int | None = None
     return PrivateGrad(loss_fn, aggregator, chunk_size=chunk_size, method=method)
 
 
+def clip_free(mechanism: Mechanism) -> Mechanism:
+    """``mechanism`` with every clip set to 1 and no noise: what a clipping kernel depends on
+    besides its clips (groups, leaves, scales), so moving clips share one kernel."""
+    return Mechanism(tuple(Group(g.name, g.leaves, 1.0, 0.0, g.scales)
+                           for g in mechanism.groups), mechanism.record,
+                     mechanism.microbatch_size)
+
+
 @functools.lru_cache(maxsize=64)
-def clipping_kernel(loss_fn: Callable, mechanism) -> Callable:
-    """``jit(clipped_sums(loss_fn, mechanism, with_factors=True))``, built once per pair."""
-    return jax.jit(clipped_sums(loss_fn, mechanism, with_factors=True))
+def clipping_kernel(loss_fn: Callable, structure: Mechanism) -> Callable:
+    """``jit(clipped_sums(loss_fn, structure, with_factors=True))`` called as
+    ``kernel(params, batch, mask, clips)``, built once per loss and :func:`clip_free`
+    mechanism."""
+    return jax.jit(clipped_sums(loss_fn, structure, with_factors=True))
