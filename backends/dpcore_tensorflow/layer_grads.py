@@ -130,8 +130,11 @@ class DenseKernel:
         if self._rows is not None:
             return self._arrange(weighted_rows(self._rows, weights), False)
         # sum_{i,t} a_it (c_i g_it)^T: one (B T, d_in)^T (B T, d_out) matmul
-        a = tf.reshape(self.a, [-1, self.a.shape[2]])
-        g = tf.reshape(scaled(self.g, weights), [-1, self.g.shape[2]])
+        a, d_out = tf.reshape(self.a, [-1, self.a.shape[2]]), self.g.shape[2]
+        if self.g.shape[1] == 1:  # the same c_i g_i as a Dense bias's (one op after CSE)
+            g = scaled(tf.reshape(self.g, [-1, d_out]), weights)
+        else:
+            g = tf.reshape(scaled(self.g, weights), [-1, d_out])
         return self._arrange(tf.matmul(a, g, transpose_a=True), False)
 
     def per_example(self) -> tf.Tensor:

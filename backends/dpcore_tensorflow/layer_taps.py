@@ -139,8 +139,11 @@ class DenseTap(_Tap):
         d_in, d_out = layer.kernel.shape
         a = tf.concat([_rows(x, d_in) for x in saved], axis=1)
         g = tf.concat([_rows(gz, d_out) for gz in gs], axis=1)
-        bias_rows = tf.reduce_sum(g, axis=1)
-        g_sq = lg.row_sq_norms(bias_rows) if g.shape[1] == 1 else None  # T = 1: one norm for both
+        if g.shape[1] == 1:  # T = 1: the bias rows are g; one norm and one c_i g_i for both
+            bias_rows = tf.reshape(g, [-1, d_out])
+            g_sq = lg.row_sq_norms(bias_rows)
+        else:
+            bias_rows, g_sq = tf.reduce_sum(g, axis=1), None
         out = {}
         if layer.kernel.trainable:
             out[layer.kernel.path] = lg.DenseKernel(a, g, layer.kernel.shape, mode=mode, g_sq=g_sq)
