@@ -25,6 +25,8 @@ import tensorflow as tf
 from dpcore.aggregation import group_weights, leaf_noise_stds
 from dpcore.queries import Mechanism
 
+from .layer_grads import in_xla
+
 
 def structure(mechanism: Mechanism) -> tuple:
     """What a compiled step depends on: the groups' names, leaves and scales (not the clips
@@ -79,7 +81,11 @@ def standard_normal(generator: tf.random.Generator, n: int, dtype=tf.float32) ->
     sqrt(-2 log(1 - u)) (cos 2 pi v, sin 2 pi v). TensorFlow's own normal kernel computes the
     same transform element by element; as vectorised ops it is faster on CPU (one core, the
     covertype MLP's 16,307 normals: ~0.15 instead of ~0.25 ms of its ~1.2 ms DP step). Tails
-    reach sqrt(-2 log 2^-23) = 5.6 for float32 (TensorFlow's kernel: 5.7), 8.5 for float64."""
+    reach sqrt(-2 log 2^-23) = 5.6 for float32 (TensorFlow's kernel: 5.7), 8.5 for float64.
+    Under XLA TensorFlow's normal is faster (and XLA's sin/cos/log1p here made a oneDNN
+    convolution of another model in the same process 3x slower)."""
+    if in_xla():
+        return generator.normal([n], dtype=dtype)
     u, v = tf.unstack(generator.uniform([2, (n + 1) // 2], dtype=dtype))
     radius = tf.sqrt(-2.0 * tf.math.log1p(-u))
     angle = (2.0 * math.pi) * v
