@@ -306,7 +306,7 @@ class ConvTap(_Tap):
             input=fold(x), filter_sizes=tf.stack([*sizes, c_in, batch * layer.filters]),
             out_backprop=fold(g), strides=[1, *strides, 1], padding=padding.upper(),
             dilations=[1, *rates, 1])
-        return tf.reshape(grads, [-1, batch, layer.filters])
+        return tf.reshape(grads, [math.prod(sizes) * c_in, batch, layer.filters])
 
     def grads(self, layer, saved, gs, mode):
         g_calls = [self._channels_last(layer, gz) for gz in gs]
