@@ -65,8 +65,8 @@ def _rows(x: tf.Tensor, width: int) -> tf.Tensor:
 def grouped_filter_grads(dtype) -> bool:
     """Whether to fold the batch into groups of TensorFlow's filter-gradient op: its oneDNN
     kernel (TensorFlow's default on x86 CPUs, off under ``TF_ENABLE_ONEDNN_OPTS=0``) runs
-    grouped float32 convolutions at the cost of an ordinary one; TensorFlow's own CPU kernels
-    reject groups, and XLA's CPU grouped convolutions took 26 s (not ms) for the MNIST CNN."""
+    grouped float32 convolutions; TensorFlow's own CPU kernels reject groups, and XLA's CPU
+    grouped convolutions took 26 s (not ms) per step for the MNIST CNN."""
     try:  # a private module: without it take the portable im2col path
         from tensorflow.python.util._pywrap_util_port import IsMklEnabled
     except ImportError:  # pragma: no cover
@@ -289,8 +289,8 @@ class ConvTap(_Tap):
     def _per_example(self, layer, x, padding, g):
         """(k_h k_w C_in, B, C_out): the call's per-example kernel gradients by one filter-gradient
         op, the batch folded into channel groups: input (1, H, W, B C_in), output gradient
-        (1, H', W', B C_out), group i = example i (cost of the ordinary filter gradient; the
-        alternatives in docs/tensorflow.md were slower)."""
+        (1, H', W', B C_out), group i = example i (for the MNIST CNN 1.2-1.9x faster than
+        im2col and a batched matmul, docs/benchmarks.md)."""
         x, g = self._channels_last(layer, x), self._channels_last(layer, g)
         sizes, strides, rates = layer.kernel_size, layer.strides, layer.dilation_rate
         if layer.rank == 1:
