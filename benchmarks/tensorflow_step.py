@@ -1,6 +1,7 @@
 """DP step time against the non-private Keras step, side by side, on the three workloads.
 
     python benchmarks/tensorflow_step.py [--workloads cnn mlp transformer] [--rounds 7]
+                                         [--configs np np-xla dp dp-xla]
 
 For each workload four Keras train functions run on the same batch: the non-private model
 (``model.compile(...)``, its own train step) and the private model (``make_private``: ledger
@@ -52,8 +53,11 @@ def train_function(name: str, private: bool, jit: bool, seed: int = 0):
     return run
 
 
-def measure(name: str, rounds: int, steps: int) -> dict:
-    configs = {(p, j): train_function(name, p, j) for p in (False, True) for j in (False, True)}
+CONFIGS = {"np": (False, False), "np-xla": (False, True), "dp": (True, False), "dp-xla": (True, True)}
+
+
+def measure(name: str, rounds: int, steps: int, which=tuple(CONFIGS)) -> dict:
+    configs = {CONFIGS[c]: train_function(name, *CONFIGS[c]) for c in which}
     for run in configs.values():
         for _ in range(3):
             run()
@@ -71,17 +75,18 @@ def main(argv=None):
     parser.add_argument("--workloads", nargs="+", default=["cnn", "mlp", "transformer"])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
+                        help="configurations sharing the process (default: all four)")
     args = parser.parse_args(argv)
     print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, "
           f"load average before: {os.getloadavg()}")
     print(f"{'workload':12} {'non-private':>12} {'np XLA':>9} {'DP':>9} {'DP XLA':>9} {'ratio':>6}")
     for name in args.workloads:
-        t = measure(name, args.rounds, args.steps)
-        base = min(t[(False, False)], t[(False, True)])
-        best = min(t[(True, False)], t[(True, True)])
-        print(f"{name:12} {1e3 * t[(False, False)]:10.2f}ms {1e3 * t[(False, True)]:7.2f}ms "
-              f"{1e3 * t[(True, False)]:7.2f}ms {1e3 * t[(True, True)]:7.2f}ms "
-              f"{best / base:5.2f}x", flush=True)
+        t = measure(name, args.rounds, args.steps, args.configs)
+        base = min(t.get((False, j), np.inf) for j in (False, True))
+        best = min(t.get((True, j), np.inf) for j in (False, True))
+        cells = [f"{1e3 * t[c]:7.2f}ms" if c in t else f"{'-':>9}" for c in CONFIGS.values()]
+        print(f"{name:12} {cells[0]:>12} {' '.join(cells[1:])} {best / base:5.2f}x", flush=True)
     print(f"load average after: {os.getloadavg()}")
 
 
