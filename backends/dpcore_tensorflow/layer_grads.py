@@ -58,6 +58,15 @@ def weighted_rows(per_example: tf.Tensor, weights: tf.Tensor, axis: int = 0) -> 
     return tf.reduce_sum(scaled(per_example, weights, axis), axis=axis)
 
 
+def finite_rows(t: tf.Tensor, sq_norms: tf.Tensor, axis: int = 0) -> tf.Tensor:
+    """``t`` with the rows (batch on ``axis``) of records whose squared norm is not finite set
+    to 0, so that a product with their factor c_i = 0 stays 0 (0 * NaN is NaN in a matmul);
+    the zeroing runs only when some record is non-finite."""
+    finite = tf.math.is_finite(sq_norms)
+    return tf.cond(tf.reduce_all(finite), lambda: t,
+                   lambda: tf.where(_column(finite, t, axis) > 0, t, tf.zeros_like(t)))
+
+
 def in_xla() -> bool:
     """Whether the graph being built is compiled by XLA (``jit_compile``)."""
     try:  # a private module: without it, assume not
@@ -109,6 +118,7 @@ class DenseKernel:
         self.ghost = (mode == "ghost" or mode == "auto"
                       and ghost_is_cheaper(g.shape[1], a.shape[2], g.shape[2]))
         self._rows = None if self.ghost else tf.einsum("bti,bto->bio", a, g)
+        self._sq = None
 
     def _arrange(self, kernel: tf.Tensor, batched: bool) -> tf.Tensor:
         kernel = tf.reshape(kernel, ((-1,) if batched else ()) + self.shape)
@@ -117,6 +127,11 @@ class DenseKernel:
         return tf.transpose(kernel, ([0] + [p + 1 for p in self.perm]) if batched else self.perm)
 
     def sq_norms(self) -> tf.Tensor:
+        if self._sq is None:
+            self._sq = self._compute_sq_norms()
+        return self._sq
+
+    def _compute_sq_norms(self) -> tf.Tensor:
         if not self.ghost:
             return row_sq_norms(self._rows)
         if self.a.shape[1] == 1:
@@ -129,8 +144,10 @@ class DenseKernel:
     def weighted_sum(self, weights: tf.Tensor) -> tf.Tensor:
         if self._rows is not None:
             return self._arrange(weighted_rows(self._rows, weights), False)
-        # sum_{i,t} a_it (c_i g_it)^T: one (B T, d_in)^T (B T, d_out) matmul
-        a, d_out = tf.reshape(self.a, [-1, self.a.shape[2]]), self.g.shape[2]
+        # sum_{i,t} a_it (c_i g_it)^T: one (B T, d_in)^T (B T, d_out) matmul; a dropped
+        # record's non-finite a_i is zeroed (its norm is then non-finite too)
+        a = finite_rows(self.a, self.sq_norms())
+        a, d_out = tf.reshape(a, [-1, self.a.shape[2]]), self.g.shape[2]
         if self.g.shape[1] == 1:  # the same c_i g_i as a Dense bias's (one op after CSE)
             g = scaled(tf.reshape(self.g, [-1, d_out]), weights)
         else:
@@ -163,10 +180,7 @@ class ConvKernel:
         return self._sq
 
     def weighted_sum(self, weights: tf.Tensor) -> tf.Tensor:
-        finite = tf.math.is_finite(self.sq_norms())
-        rows = tf.cond(tf.reduce_all(finite), lambda: self.rows,
-                       lambda: tf.where(finite[None, :, None], self.rows,
-                                        tf.zeros_like(self.rows)))
+        rows = finite_rows(self.rows, self.sq_norms(), axis=1)
         c = tf.cast(weights, rows.dtype)[None, None, :]
         total = tf.matmul(tf.broadcast_to(c, [self.rows.shape[0], 1, tf.shape(c)[2]]), rows)
         return tf.reshape(total, self.shape)

@@ -216,3 +216,27 @@ def test_grouped_conv_grads_and_clipped_sums_match_oracle():
     for name, rows in expected.items():
         np.testing.assert_allclose(sums[name].numpy(), np.tensordot(factors, rows, axes=1),
                                    rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("mode", ["auto", "ghost", "materialise", "vectorized"])
+@pytest.mark.parametrize("case", ["dense_2d", "dense_3d", "einsum_dense", "conv2d", "conv1d",
+                                  "layernorm_rms"])
+def test_dropped_record_with_nonfinite_input_leaves_the_sums_finite(case, mode):
+    """A record whose input holds NaN or Inf gets factor 0 (``bad``) and contributes nothing:
+    the ghost book-keeping sum a^T (c g) must not turn its 0 * NaN into NaN."""
+    _, x, y, loss_fn = cases()[case]
+    model = _model_for(case)
+    expected = oracle(model, x, y, loss_fn)
+    names = list(expected)
+    norms = np.sqrt(sum(np.square(r).reshape(B, -1).sum(1) for r in expected.values()))
+    factors = np.minimum(1.0, 0.5 / norms) * (np.arange(B) != 1) * (np.arange(B) != 3)
+    x = x.copy()
+    x[1].flat[0], x[3].flat[-1] = np.nan, np.inf
+    engine = ClippedGradients(model, mode)
+    sums, bad, *_ = engine.clipped_sums(tf.constant(x), tf.constant(y), loss_fn,
+                                        GroupClipper(dpcore.flat(names, 0.5, 1.0), names),
+                                        tf.constant([0.5], tf.float64))
+    np.testing.assert_array_equal(bad.numpy(), np.isin(np.arange(B), [1, 3]))
+    for name, rows in expected.items():
+        np.testing.assert_allclose(sums[name].numpy(), np.tensordot(factors, rows, axes=1),
+                                   rtol=1e-9, atol=1e-12, err_msg=f"{case}/{mode}: {name}")
