@@ -247,6 +247,14 @@ class PerExampleEngine:
         scale = self._scale(batch)
         return norms * (scale * scale) if scale != 1.0 else norms
 
+    def keep_records(self, keep) -> None:
+        """Zero the kept inputs, backprops and per-example gradients of the examples where
+        ``keep`` (B,) is False (records dropped for a non-finite norm), so their NaN or Inf
+        cannot reach the clipped sums as 0 * NaN."""
+        for unit in self.units:
+            for call in unit.calls:
+                call.keep_rows(keep)
+
     def clipped_sums(self, factors, groups: Mapping[str, int]) -> dict[str, torch.Tensor]:
         """sum_i factors[i, groups[leaf]] * grad_i for every leaf: the book-keeping sums.
 

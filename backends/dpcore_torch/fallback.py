@@ -23,6 +23,8 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten
 
+from .layers import keep_rows
+
 _state = threading.local()
 
 
@@ -56,6 +58,14 @@ class Call:
     def release(self) -> None:
         """Drop the tensors (output hooks may still hold this object)."""
         self.args, self.kwargs, self.g, self.cache = (), {}, [], None
+
+    def keep_rows(self, keep) -> None:
+        """Zero the rows of the examples where ``keep`` (B,) is False (see
+        :meth:`dpcore_torch.layers.Use.keep_rows`)."""
+        self.args = tuple(keep_rows(a, keep) for a in self.args)
+        self.g = [keep_rows(g, keep) for g in self.g]
+        if self.cache is not None:
+            self.cache = {k: keep_rows(t, keep) for k, t in self.cache.items()}
 
     @property
     def batch_size(self) -> int:

@@ -31,6 +31,14 @@ from torch import nn
 from torch.nn.grad import conv1d_input, conv2d_input
 
 
+def keep_rows(t, keep):
+    """``t`` (examples on axis 0) with the rows where ``keep`` is False set to 0; anything but
+    a floating-point tensor is returned as it is."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        return t
+    return torch.where(keep.reshape(-1, *[1] * (t.dim() - 1)), t, 0)
+
+
 class Use:
     """One call of an instrumented layer in the current step: its input ``x``, the backprop
     ``g`` of its output (set by the backward pass), statistics ``aux`` and a cache of
@@ -45,6 +53,14 @@ class Use:
         """Drop the tensors (the autograd graph or the user may still hold this object)."""
         self.x = self.g = self.aux = None
         self.cache = {}
+
+    def keep_rows(self, keep) -> None:
+        """Set the rows of the examples where ``keep`` (B,) is False to 0 in every kept tensor,
+        so that a dropped record's NaN or Inf cannot reach a sum as 0 * NaN = NaN."""
+        self.x, self.g = keep_rows(self.x, keep), keep_rows(self.g, keep)
+        if isinstance(self.aux, tuple):
+            self.aux = tuple(keep_rows(t, keep) for t in self.aux)
+        self.cache = {k: keep_rows(t, keep) for k, t in self.cache.items()}
 
     @property
     def batch_size(self) -> int:

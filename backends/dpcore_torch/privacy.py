@@ -59,7 +59,7 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
                  epochs: int | None = None, clipping="flat", loss_reduction: str = "mean",
                  ledger=None, seed: int | None = None, mode: str = "auto",
                  prefer: str = "memory", accountant: str = "pld", clip_policy=None,
-                 budget=None):
+                 budget=None, on_nonfinite: str = "raise"):
     """Private (module, optimizer, data_loader).
 
     Give ``noise_multiplier`` z, or ``target_epsilon`` with ``target_delta`` and ``epochs`` to
@@ -75,6 +75,9 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     ``clip_policy`` makes the clip move: ``"adaptive"`` (adaptive quantile clipping with the
     paper's defaults, starting from ``max_grad_norm``; the noise multiplier is the total, count
     included), a :class:`dpcore.QuantileClipping` or a :class:`dpcore.ClipSchedule`.
+    ``on_nonfinite``: a record whose gradient holds NaN or Inf makes ``optimizer.step()``
+    raise :class:`dpcore.aggregation.NonFiniteNormError` before any sum is released or
+    recorded (``"raise"``), or is given weight 0 (``"drop"``; dropping costs no privacy).
     ``budget`` (a :class:`dpcore.PrivacyBudget`) makes ``optimizer.step()`` refuse, with
     :class:`dpcore.BudgetExhaustedError` and before recording anything, the step that would
     exceed it; ``optimizer.next_step_fits()`` asks first (Algorithm 1).
@@ -100,7 +103,7 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
         mechanism, n=n, q=q, backend=TorchBackend(), ledger=ledger,
         seed=None if seed is None else int(noise_seed.generate_state(1)[0]),
         clipping=QuantileClipping() if clip_policy == "adaptive" else clip_policy,
-        budget=budget)
+        budget=budget, on_nonfinite=on_nonfinite)
     loader = poisson_loader(
         data_loader.dataset, q, seed=sampling_seed, collate_fn=data_loader.collate_fn,
         num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory)

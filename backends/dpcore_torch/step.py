@@ -36,7 +36,12 @@ def private_grads(engine: PerExampleEngine, aggregator: PrivateAggregator, loss=
     leaves = mechanism.leaves
     mechanism.check_leaves(engine.params)
     try:
-        factors = aggregator.clip_factors(engine.sq_norms(leaves))
+        sq_norms = engine.sq_norms(leaves)
+        factors = aggregator.clip_factors(sq_norms)
+        if aggregator.on_nonfinite == "drop":  # dropped records: factor 0, and zeroed values
+            finite = torch.isfinite(sq_norms).all(1)
+            if not bool(finite.all()):
+                engine.keep_records(finite)
         column = {leaf: g for g, group in enumerate(mechanism.groups) for leaf in group.leaves}
         sums = engine.clipped_sums(factors, column)
     finally:

@@ -2,6 +2,7 @@
 that back-propagates one example at a time through plain autograd."""
 
 import copy
+import math
 
 import pytest
 
@@ -209,3 +210,40 @@ def test_detach_restores_the_module():
     engine.detach()
     model(torch.randn(4, 3)).sum().backward()
     assert model[0].weight.grad is not None and "forward" not in vars(model[0])
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("prefer", ["memory", "time"])
+def test_dropped_records_with_nan_or_inf_leave_the_sums_finite(name, prefer):
+    """on_nonfinite='drop': records whose values hold NaN or Inf get factor 0 and contribute
+    nothing, whatever the layer (book-keeping sums must not form 0 * NaN), against the
+    oracle's clipped sum of the other records."""
+    import dpcore
+    from dpcore_torch import private_grads
+
+    gen = torch.Generator().manual_seed(13)
+    torch.manual_seed(6)
+    model = MODELS[name]().double()
+    x, y = batches(name, 6, gen)
+    expected = oracle(copy.deepcopy(model), x, y)
+    engine = PerExampleEngine(model, loss_reduction="sum", prefer=prefer)
+    second = list(model.children())[1]
+
+    def poison(module, args):  # NaN into record 1's and Inf into record 4's input
+        x = args[0].clone()
+        if x.shape[0] == 6:  # not the fallback's replay of one example
+            x[(1,) + (0,) * (x.dim() - 1)], x[(4,) + (-1,) * (x.dim() - 1)] = math.nan, math.inf
+        return (x, *args[1:])
+
+    handle = second.register_forward_pre_hook(poison)
+    agg = dpcore.PrivateAggregator(dpcore.flat(list(engine.params), 0.5, 0.0), n=12, q=0.5,
+                                   backend="torch", seed=0, on_nonfinite="drop")
+    agg.begin_step()
+    got = private_grads(engine, agg, F.cross_entropy(model(x), y, reduction="sum"))
+    handle.remove()
+    norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in expected.values()], 1).sum(1).sqrt()
+    factors = torch.clamp(0.5 / norms, max=1.0) * (torch.arange(6) % 3 != 1)
+    for n, rows in expected.items():
+        want = torch.tensordot(factors, rows, dims=1) / 6
+        assert torch.isfinite(got[n]).all(), n
+        assert close(got[n], want), n

@@ -223,3 +223,26 @@ def test_the_main_job_runs(tmp_path, capsys, load_example):
     assert plot.stat().st_size > 0
     steps = dpcore.read_ledger(ledger).steps()
     assert sum(s.count for s in steps) == 2 * 22  # round(1437 / 64) steps per epoch
+
+
+@pytest.mark.parametrize("policy", ["raise", "drop"])
+def test_make_private_raises_on_or_drops_a_nan_record(policy):
+    from dpcore.aggregation import NonFiniteNormError
+
+    ds = data()
+    x, y = ds.tensors[0][:8].clone(), ds.tensors[1][:8]
+    x[3, 2] = math.nan
+    model = mlp()
+    model, opt, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 DataLoader(ds, batch_size=8), noise_multiplier=1.0,
+                                 max_grad_norm=1.0, seed=0, on_nonfinite=policy)
+    before = [p.detach().clone() for p in model.parameters()]
+    F.cross_entropy(model(x), y).backward()
+    if policy == "raise":
+        with pytest.raises(NonFiniteNormError, match=r"records \[3\]"):
+            opt.step()
+        assert [type(e).__name__ for e in opt.ledger.events] == ["SamplingEvent"]
+        return
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any((p != b).any() for p, b in zip(model.parameters(), before))
