@@ -60,6 +60,13 @@ def group_weights(mechanism: Mechanism, leaves: tuple[str, ...]) -> np.ndarray:
     return weights
 
 
+@functools.lru_cache(maxsize=256)
+def _unit_flat(mechanism: Mechanism, leaves: tuple[str, ...]) -> bool:
+    """Whether the mechanism is one group of unit scales over ``leaves`` (W is a column of 1s)."""
+    weights = group_weights(mechanism, leaves)
+    return weights.shape[1] == 1 and bool(np.all(weights == 1.0))
+
+
 def group_norms(sq_norms, mechanism: Mechanism, leaves: Sequence[str]):
     """Norms (B, G) of each record's (scaled) group vectors from per-leaf squared norms (B, L).
 
@@ -67,9 +74,9 @@ def group_norms(sq_norms, mechanism: Mechanism, leaves: Sequence[str]):
     product forms Inf * 0), on which :func:`clip_factors` raises or which it drops. One group
     of unit scales (flat clipping) is a row sum."""
     xp = array_namespace(sq_norms)
-    weights = group_weights(mechanism, tuple(leaves))
-    if weights.shape[1] == 1 and np.all(weights == 1.0):
+    if _unit_flat(mechanism, tuple(leaves)):
         return xp.sqrt(xp.sum(sq_norms, axis=1, keepdims=True))
+    weights = group_weights(mechanism, tuple(leaves))
     weights = xp.asarray(weights.tolist(), dtype=sq_norms.dtype, device=device(sq_norms))
     with np.errstate(invalid="ignore"):  # Inf * 0 of a non-finite record (NumPy arrays)
         return xp.sqrt(sq_norms @ weights)
@@ -88,6 +95,8 @@ def clip_factors(norms, clips, *, mask=None, on_nonfinite: str = "raise"):
     if on_nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, got {on_nonfinite!r}")
     xp = array_namespace(norms)
+    if mask is None and on_nonfinite == "raise" and math.isfinite(float(xp.sum(norms))):
+        return _bounded(norms, clips, xp)  # every row real and finite (norms are >= 0 or NaN)
     finite = xp.all(xp.isfinite(norms), axis=1)
     if on_nonfinite == "raise":
         bad = xp.logical_not(finite) if mask is None else xp.logical_and(
@@ -98,7 +107,7 @@ def clip_factors(norms, clips, *, mask=None, on_nonfinite: str = "raise"):
                 f"records {rows[:10]}{' ...' if len(rows) > 10 else ''} have a NaN or "
                 f"infinite norm (NaN/Inf in the gradient, or a norm beyond the dtype's range); "
                 f"fix the model or loss, or pass on_nonfinite='drop' to give them weight 0")
-        if mask is None:  # every row finite and real: no masking needed
+        if mask is None:  # every row finite (the sum overflowed) and real
             return _bounded(norms, clips, xp)
     keep = finite if mask is None else xp.logical_and(finite, xp.astype(mask, xp.bool))
     safe = xp.where(keep[:, None], norms, xp.zeros_like(norms))
@@ -163,7 +172,8 @@ def noisy_average(sums: Mapping[str, object], mechanism: Mechanism, rng,
     for leaves in kinds.values():
         xp = xp or array_namespace(sums[leaves[0]])
         sizes = [math.prod(sums[leaf].shape) for leaf in leaves]
-        parts = [xp.reshape(sums[leaf], (size,)) for leaf, size in zip(leaves, sizes)]
+        parts = [sums[leaf] if sums[leaf].shape == (size,) else xp.reshape(sums[leaf], (size,))
+                 for leaf, size in zip(leaves, sizes)]
         flat = parts[0] if len(parts) == 1 else xp.concat(parts)
         leaf_stds = [stds[leaf] for leaf in leaves]
         if max(leaf_stds) == 0:
@@ -178,6 +188,8 @@ def noisy_average(sums: Mapping[str, object], mechanism: Mechanism, rng,
                 noisy = flat / divisor + std * noise
         start = 0
         for leaf, size in zip(leaves, sizes):
-            out[leaf] = xp.reshape(noisy[start:start + size], tuple(sums[leaf].shape))
+            shape = tuple(sums[leaf].shape)
+            piece = noisy[start:start + size]
+            out[leaf] = piece if shape == (size,) else xp.reshape(piece, shape)
             start += size
     return rng, out

@@ -86,7 +86,10 @@ class PrivateAggregator:
         """Fix the mechanism of step ``step`` (-1: before the first), the groups it releases
         (with adaptive clipping's counts) and their ledger events."""
         self._step = step
-        self._mechanism = self._policy.mechanism(max(step, 0))
+        mechanism = self._policy.mechanism(max(step, 0))
+        if mechanism is getattr(self, "_mechanism", None) and not self._policy.count_groups:
+            return  # fixed clipping: the same mechanism, groups and events as the last step
+        self._mechanism = mechanism
         released = self._mechanism.groups + self._policy.count_groups
         self._released = Mechanism(released, self._mechanism.record,
                                    self._mechanism.microbatch_size)

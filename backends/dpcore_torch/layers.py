@@ -253,9 +253,11 @@ class LinearRule(Rule):
     def sq_norm(self, module, use, name, prefer="memory"):
         x, g = self._xg(use)
         if x.dim() == 2:  # one position: ||g_i x_i^T||^2 = ||x_i||^2 ||g_i||^2
-            if "g2" not in use.cache:
-                use.cache["g2"] = (g * g).sum(1)
-            return use.cache["g2"] if name == "bias" else (x * x).sum(1) * use.cache["g2"]
+            if "g2" not in use.cache:  # one norm op each (a product and a sum are two)
+                use.cache["g2"] = torch.linalg.vector_norm(g, dim=1).square_()
+            if name == "bias":
+                return use.cache["g2"]
+            return torch.linalg.vector_norm(x, dim=1).square_().mul_(use.cache["g2"])
         if name == "bias":
             return _sq(g.sum(1))
         t, d_in, d_out = x.shape[1], x.shape[2], g.shape[2]
@@ -269,17 +271,16 @@ class LinearRule(Rule):
         if name in use.cache:
             return _contract(c, use.cache[name])
         x, g = self._xg(use)
-        c = c.to(g.dtype)
+        c = c if c.dtype == g.dtype else c.to(g.dtype)
         if name == "bias":
             return c @ (g if g.dim() == 2 else g.sum(1))
-        if x.dim() == 2:
-            return (g * c[:, None]).t().mm(x)
         # scale the smaller of x and g by c_i; the product is one ordinary weight gradient
-        if x.shape[2] <= g.shape[2]:
-            x = x * c[:, None, None]
+        c = c.reshape(-1, *[1] * (x.dim() - 1))
+        if x.shape[-1] <= g.shape[-1]:
+            x = x * c
         else:
-            g = g * c[:, None, None]
-        return g.reshape(-1, g.shape[2]).t().mm(x.reshape(-1, x.shape[2]))
+            g = g * c
+        return g.reshape(-1, g.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
 
 
 class ConvRule(Rule):
