@@ -64,10 +64,11 @@ def _rows(x: tf.Tensor, width: int) -> tf.Tensor:
 
 def grouped_filter_grads(dtype) -> bool:
     """Whether to fold the batch into groups of TensorFlow's filter-gradient op: its oneDNN
-    kernel (TensorFlow's default on x86 CPUs, off under ``TF_ENABLE_ONEDNN_OPTS=0``) runs
-    grouped float32 convolutions; TensorFlow's own CPU kernels reject groups, and XLA's CPU
-    grouped convolutions took 26 s (not ms) per step for the MNIST CNN."""
-    try:  # a private module: without it take the portable im2col path
+    kernel (on by default on many x86 CPUs, though not on the AMD EPYC of the 2026-11-23
+    measurements; forced with ``TF_ENABLE_ONEDNN_OPTS=1``, off with ``=0``) runs grouped float32
+    convolutions; TensorFlow's own CPU kernels reject groups, and XLA's CPU grouped
+    convolutions took 26 s (not ms) per step for the MNIST CNN."""
+    try:  # a private module: without it take the portable per-offset path
         from tensorflow.python.util._pywrap_util_port import IsMklEnabled
     except ImportError:  # pragma: no cover
         return False
@@ -226,9 +227,10 @@ class EinsumDenseTap(_Tap):
 class ConvTap(_Tap):
     """Conv1D/Conv2D. Materialised per-example kernel gradients (the cheaper choice when T is
     large, as for the MNIST CNN) come from TensorFlow's filter-gradient op with the batch
-    folded into channel groups (:func:`grouped_filter_grads`); ghost norms, and other dtypes
-    or XLA, use the layer as a matmul of image patches (B, T = output pixels, k_h k_w C_in)
-    with the kernel reshaped to (k_h k_w C_in, C_out), formed after the backward pass."""
+    folded into channel groups where oneDNN runs it (:func:`grouped_filter_grads`), else from
+    one batched matmul per kernel offset (:meth:`_per_offset`). Ghost norms use the layer as
+    a matmul of image patches (B, T = output pixels, k_h k_w C_in) with the kernel reshaped
+    to (k_h k_w C_in, C_out), formed after the backward pass."""
 
     cls = (layers.Conv1D, layers.Conv2D)
 
@@ -286,6 +288,17 @@ class ConvTap(_Tap):
                 windows.append(tf.reshape(window, [batch, -1, channels]))
         return windows
 
+    def _per_offset(self, layer, x, padding, g):
+        """(B, k_h k_w C_in, C_out): the call's per-example kernel gradients as one batched
+        (C_in, T) x (T, C_out) matmul per kernel offset, window^T g. For the MNIST CNN's two
+        convolutions at B = 256 without oneDNN (2 cores): 9.9 and 9.9 ms, against 38 and 37 ms
+        for concatenated windows and one batched matmul, and 18 and 13 ms for TensorFlow's
+        own (non-private, summed) filter gradients."""
+        windows = self._windows(layer, x, padding, g.shape[1:-1])
+        g = _rows(g, layer.filters)
+        rows = tf.stack([tf.matmul(w, g, transpose_a=True) for w in windows], axis=1)
+        return tf.reshape(rows, [tf.shape(g)[0], -1, layer.filters])
+
     def _per_example(self, layer, x, padding, g):
         """(k_h k_w C_in, B, C_out): the call's per-example kernel gradients by one filter-gradient
         op, the batch folded into channel groups: input (1, H, W, B C_in), output gradient
@@ -317,11 +330,15 @@ class ConvTap(_Tap):
             d_in = math.prod(kernel.shape[:-1])
             ghost = mode == "ghost" or (mode == "auto" and lg.ghost_is_cheaper(
                 g.shape[1], d_in, layer.filters))
-            if ghost or not grouped_filter_grads(g.dtype):
+            if ghost:
                 patches = tf.concat([tf.concat(self._windows(layer, x, padding, gz.shape[1:-1]), -1)
                                      for (x, padding), gz in zip(saved, g_calls)], axis=1)
                 out[kernel.path] = lg.DenseKernel(patches, g, kernel.shape,
                                                   mode="ghost" if ghost else "materialise")
+            elif not grouped_filter_grads(g.dtype):
+                rows = tf.add_n([self._per_offset(layer, x, padding, gz)
+                                 for (x, padding), gz in zip(saved, g_calls)])
+                out[kernel.path] = lg.Materialised(rows, kernel.shape)
             else:
                 rows = tf.add_n([self._per_example(layer, x, padding, gz)
                                  for (x, padding), gz in zip(saved, gs)])
