@@ -175,3 +175,48 @@ def test_bad_arguments_are_named():
         clipped_sums(loss_fn, good, method="fast")
     with pytest.raises(ValueError, match="chunk_size must be a positive int"):
         clipped_sums(loss_fn, good, chunk_size=0)
+
+
+CONVS = {  # name: (input shape of one example, kernel shape, conv keyword arguments, rule)
+    "nhwc_stride_same_dilated": ((9, 8, 2), (3, 2, 2, 3), dict(
+        window_strides=(2, 1), padding="SAME", rhs_dilation=(1, 2),
+        dimension_numbers=("NHWC", "HWIO", "NHWC")), "conv"),
+    "nchw_explicit_padding": ((2, 7, 6), (3, 2, 3, 2), dict(
+        window_strides=(1, 2), padding=((2, 0), (1, 3)),
+        dimension_numbers=("NCHW", "OIHW", "NCHW")), "conv"),
+    "conv1d_causal": ((10, 3), (4, 3, 2), dict(
+        window_strides=(3,), padding=((3, 0),), dimension_numbers=("NWC", "WIO", "NWC")),
+        "conv"),
+    "feature_groups": ((6, 6, 4), (3, 3, 2, 4), dict(
+        window_strides=(1, 1), padding="VALID", feature_group_count=2,
+        dimension_numbers=("NHWC", "HWIO", "NHWC")), "formed"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONVS))
+def test_convolution_norms_by_kernel_offsets_match_the_float64_oracle(name):
+    """The "conv" rule (one product per kernel offset) for strides, SAME and asymmetric
+    padding, kernel dilation, NCHW and 1-D layouts; grouped convolutions stay "formed"."""
+    from jax import lax
+
+    shape, kernel, kwargs, expected_rule = CONVS[name]
+    rng = np.random.default_rng(7)
+    params = {"conv": (0.5 * rng.normal(size=kernel)).astype(np.float32),
+              "out": (0.3 * rng.normal(size=(3,))).astype(np.float32)}
+
+    def loss_fn(p, batch):
+        x, y = batch
+        h = jnp.tanh(lax.conv_general_dilated(x, p["conv"], **kwargs))
+        return (jnp.sum(h.reshape(h.shape[0], -1), axis=1) * p["out"][y] - 1.0) ** 2
+
+    batch = (rng.normal(size=(6, *shape)).astype(np.float32), rng.integers(0, 3, size=6))
+    example = jax.tree_util.tree_map(lambda a: a[0], batch)
+    sites = {s.leaf: ghost.rule(s) for s in ghost.plan(loss_fn, params, example).sites}
+    assert sites["conv"] == expected_rule
+    mechanism = dpcore.Mechanism((dpcore.Group("all", ("conv", "out"), clip=0.5, noise_std=0.0),))
+    mask = np.ones(6, bool)
+    sums, _ = jax.jit(clipped_sums(loss_fn, mechanism))(params, batch, mask)
+    per_example = models.float64_oracle(loss_fn, params, batch)
+    norms = np.sqrt(sum((per_example[k].reshape(6, -1) ** 2).sum(1) for k in ("conv", "out")))
+    assert (norms > 0.5).sum() >= 3  # the clip binds, so the norms matter
+    assert_close(named_leaves(sums), oracle_sums(per_example, mechanism, mask), name)
