@@ -13,6 +13,8 @@ ledger written on the host before the result is returned.
 
 from __future__ import annotations
 
+import math
+
 import os
 from typing import Any, Callable, Mapping
 
@@ -49,8 +51,13 @@ def standard_normal(key, shape, like) -> tuple[jax.Array, jax.Array]:
     Pure: usable inside ``jit``."""
     dtype = like.dtype if jnp.issubdtype(like.dtype, jnp.floating) else jnp.float32
     key, sub = jax.random.split(key)
-    with jax.threefry_partitionable(False):  # the sequential layout: 1.6x faster on CPU
-        return key, jax.random.normal(sub, tuple(shape), dtype)
+    size = math.prod(shape)
+    # The sequential threefry layout is 1.6x faster on CPU than the partitionable one, and
+    # ~6x faster for a multiple of 4 draws than for 2 mod 4 (1.7 million normals: 9.5 against
+    # 60 ms on 2 cores): draw that many and drop the few extra (all are independent).
+    with jax.threefry_partitionable(False):
+        draws = jax.random.normal(sub, (-(-size // 4) * 4,), dtype)
+    return key, draws[:size].reshape(tuple(shape))
 
 
 def one_example_loss(loss_fn: Callable) -> Callable:
