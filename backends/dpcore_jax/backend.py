@@ -14,7 +14,6 @@ ledger written on the host before the result is returned.
 from __future__ import annotations
 
 import math
-
 import os
 from typing import Any, Callable, Mapping
 

@@ -333,8 +333,7 @@ class ConvTap(_Tap):
             if ghost:
                 patches = tf.concat([tf.concat(self._windows(layer, x, padding, gz.shape[1:-1]), -1)
                                      for (x, padding), gz in zip(saved, g_calls)], axis=1)
-                out[kernel.path] = lg.DenseKernel(patches, g, kernel.shape,
-                                                  mode="ghost" if ghost else "materialise")
+                out[kernel.path] = lg.DenseKernel(patches, g, kernel.shape, mode="ghost")
             elif not grouped_filter_grads(g.dtype):
                 rows = tf.add_n([self._per_offset(layer, x, padding, gz)
                                  for (x, padding), gz in zip(saved, g_calls)])
