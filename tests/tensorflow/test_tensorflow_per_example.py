@@ -240,3 +240,23 @@ def test_dropped_record_with_nonfinite_input_leaves_the_sums_finite(case, mode):
     for name, rows in expected.items():
         np.testing.assert_allclose(sums[name].numpy(), np.tensordot(factors, rows, axes=1),
                                    rtol=1e-9, atol=1e-12, err_msg=f"{case}/{mode}: {name}")
+
+
+@pytest.mark.skipif(layer_taps.grouped_filter_grads(tf.float32),
+                    reason="the grouped path ran in this process")
+def test_grouped_conv_path_with_onednn_forced_in_a_child_process():
+    """Where oneDNN is off by default (seen on an AMD EPYC), the grouped filter-gradient path
+    the DP step takes on other x86 machines is tested in a child with TF_ENABLE_ONEDNN_OPTS=1."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    test = "test_grouped_conv_grads_and_clipped_sums_match_oracle"
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", test],
+        env={**os.environ, "TF_ENABLE_ONEDNN_OPTS": "1"}, capture_output=True, text=True,
+        cwd=pathlib.Path(__file__).resolve().parents[2])
+    if "1 skipped" in out.stdout:
+        pytest.skip("no oneDNN in this TensorFlow build, even when asked for")
+    assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-3000:]
