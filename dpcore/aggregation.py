@@ -151,6 +151,11 @@ def leaf_noise_stds(mechanism: Mechanism) -> dict[str, float]:
     return {leaf: group.leaf_noise_std(leaf) for group in mechanism.groups for leaf in group.leaves}
 
 
+def _shaped(x, shape: tuple, xp):
+    """``x`` reshaped to ``shape``, or ``x`` itself when it has that shape already."""
+    return x if tuple(x.shape) == shape else xp.reshape(x, shape)
+
+
 def noisy_average(sums: Mapping[str, object], mechanism: Mechanism, rng,
                   standard_normal: Callable, divisor: float, *, xp=None) -> tuple[object, dict]:
     """``(sums[j] + alpha_j sigma~_g N(0, I)) / divisor`` for every leaf j, with fresh noise.
@@ -172,8 +177,7 @@ def noisy_average(sums: Mapping[str, object], mechanism: Mechanism, rng,
     for leaves in kinds.values():
         xp = xp or array_namespace(sums[leaves[0]])
         sizes = [math.prod(sums[leaf].shape) for leaf in leaves]
-        parts = [sums[leaf] if sums[leaf].shape == (size,) else xp.reshape(sums[leaf], (size,))
-                 for leaf, size in zip(leaves, sizes)]
+        parts = [_shaped(sums[leaf], (size,), xp) for leaf, size in zip(leaves, sizes)]
         flat = parts[0] if len(parts) == 1 else xp.concat(parts)
         leaf_stds = [stds[leaf] for leaf in leaves]
         if max(leaf_stds) == 0:
@@ -188,8 +192,6 @@ def noisy_average(sums: Mapping[str, object], mechanism: Mechanism, rng,
                 noisy = flat / divisor + std * noise
         start = 0
         for leaf, size in zip(leaves, sizes):
-            shape = tuple(sums[leaf].shape)
-            piece = noisy[start:start + size]
-            out[leaf] = piece if shape == (size,) else xp.reshape(piece, shape)
+            out[leaf] = _shaped(noisy[start:start + size], tuple(sums[leaf].shape), xp)
             start += size
     return rng, out

@@ -80,6 +80,7 @@ class PrivateAggregator:
         self._policy = (FixedClipping(mechanism) if clipping is None
                         else clipping.bind(mechanism, self.expected_size))
         self.budget = budget
+        self._mechanism = None
         self._enter(-1)
 
     def _enter(self, step: int) -> None:
@@ -87,7 +88,7 @@ class PrivateAggregator:
         (with adaptive clipping's counts) and their ledger events."""
         self._step = step
         mechanism = self._policy.mechanism(max(step, 0))
-        if mechanism is getattr(self, "_mechanism", None) and not self._policy.count_groups:
+        if mechanism is self._mechanism and not self._policy.count_groups:
             return  # fixed clipping: the same mechanism, groups and events as the last step
         self._mechanism = mechanism
         released = self._mechanism.groups + self._policy.count_groups
