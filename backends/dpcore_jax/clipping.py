@@ -45,12 +45,6 @@ def _spec(x):
     return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
 
 
-def _keep_rows(x, keep):
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-        return x
-    return jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
-
-
 def _chunk(loss_fn, mechanism, method, params, batch, mask, clips):
     """(sums by leaf name, nonfinite count) of one chunk of rows."""
     leaves = mechanism.leaves
@@ -59,15 +53,16 @@ def _chunk(loss_fn, mechanism, method, params, batch, mask, clips):
     if method == "vmap":
         grads = named_leaves(jax.vmap(jax.grad(one_example_loss(loss_fn)), in_axes=(None, 0))(
             params, batch))
-        sites, fallback_grads, site_grads, acts = (), grads, {}, {}
+        sites, fallback_grads, site_grads, acts, formed = (), grads, {}, {}, {}
         sq = {leaf: jnp.sum(g.reshape(rows, math.prod(g.shape[1:])) ** 2, axis=1) for leaf, g in grads.items()}
     else:
         example = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
         plan = ghost.plan(loss_fn, jax.tree_util.tree_map(_spec, params), example)
         fallback_grads, site_grads, acts = ghost.per_example_parts(plan, named, batch)
         sites = plan.sites  # summed by book-keeping
-        sq = {site.leaf: ghost.site_sq_norms(site, named[site.leaf], acts[site.index],
-                                             site_grads[site.index]) for site in sites}
+        formed = {site.leaf: ghost.site_grads(site, named[site.leaf], acts[site.index],
+                                              site_grads[site.index]) for site in sites}
+        sq = {leaf: grads.sq for leaf, grads in formed.items()}
         sq.update({leaf: jnp.sum(g.reshape(rows, math.prod(g.shape[1:])) ** 2, axis=1)
                    for leaf, g in fallback_grads.items() if leaf not in sq})
     dtype = jnp.result_type(jnp.float32, *[v.dtype for v in sq.values()])
@@ -81,13 +76,13 @@ def _chunk(loss_fn, mechanism, method, params, batch, mask, clips):
     group_of = {leaf: g for g, group in enumerate(mechanism.groups) for leaf in group.leaves}
 
     def weighted_sums(zero_dropped: bool):
-        drop = (lambda x: _keep_rows(x, keep)) if zero_dropped else (lambda x: x)
         sums = aggregation.clipped_sum(fallback_grads, factors, mechanism, list(fallback_grads),
                                        zero_rows=jnp.logical_not(keep) if zero_dropped else None)
         for site in sites:
             sums[site.leaf] = ghost.site_weighted_sum(
-                site, named[site.leaf], [drop(a) for a in acts[site.index]],
-                drop(site_grads[site.index]), factors[:, group_of[site.leaf]])
+                site, named[site.leaf], formed[site.leaf], acts[site.index],
+                site_grads[site.index], factors[:, group_of[site.leaf]],
+                keep if zero_dropped else None)
         for leaf in leaves:  # leaves the loss does not read have gradient 0
             if leaf not in sums:
                 sums[leaf] = jnp.zeros_like(named[leaf])
