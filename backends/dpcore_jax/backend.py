@@ -1,7 +1,7 @@
 """The JAX backend: the :class:`dpcore.backend.Backend` contract on ``jax.numpy`` arrays.
 
 Randomness is explicit, as everywhere in JAX: :meth:`JaxBackend.rng` returns a typed
-``threefry2x32`` key and :meth:`JaxBackend.standard_normal` splits it, returning the key to use
+``threefry2x32`` key and :meth:`JaxBackend.standard_normal` splits it (:mod:`dpcore_jax.noise`), returning the key to use
 next, so the generator state is carried in the caller's state (the aggregator, an optax state).
 
 Per-example gradients of ``loss_fn(params, batch) -> (B,)`` are ``vmap(grad)`` of the loss of
@@ -13,7 +13,6 @@ ledger written on the host before the result is returned.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any, Callable, Mapping
 
@@ -26,6 +25,7 @@ from dpcore import backend as contract
 from dpcore.aggregation import NonFiniteNormError, per_leaf_sq_norms
 
 from .names import leaf_names, named_leaves
+from .noise import standard_normal
 
 KEY_IMPL = "threefry2x32"
 
@@ -43,20 +43,6 @@ def make_key(seed: int | None = None) -> jax.Array:
         raise ValueError(f"seed must be in [0, 2**64), got {seed!r}")
     words = np.array([seed >> 32, seed & 0xFFFFFFFF], dtype=np.uint32)
     return jax.random.wrap_key_data(words, impl=KEY_IMPL)
-
-
-def standard_normal(key, shape, like) -> tuple[jax.Array, jax.Array]:
-    """``(next_key, N(0, 1) draws of shape)`` in ``like``'s floating dtype (float32 otherwise).
-    Pure: usable inside ``jit``."""
-    dtype = like.dtype if jnp.issubdtype(like.dtype, jnp.floating) else jnp.float32
-    key, sub = jax.random.split(key)
-    size = math.prod(shape)
-    # The sequential threefry layout is 1.6x faster on CPU than the partitionable one, and
-    # ~6x faster for a multiple of 4 draws than for 2 mod 4 (1.7 million normals: 9.5 against
-    # 60 ms on 2 cores): draw that many and drop the few extra (all are independent).
-    with jax.threefry_partitionable(False):
-        draws = jax.random.normal(sub, (-(-size // 4) * 4,), dtype)
-    return key, draws[:size].reshape(tuple(shape))
 
 
 def one_example_loss(loss_fn: Callable) -> Callable:

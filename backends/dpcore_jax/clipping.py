@@ -28,7 +28,8 @@ from dpcore import aggregation
 from dpcore.queries import Mechanism
 
 from . import ghost
-from .backend import one_example_loss, standard_normal
+from .backend import one_example_loss
+from .noise import standard_normal
 from .names import leaf_names, named_leaves, unflatten_like
 
 METHODS = ("ghost", "vmap")

@@ -58,6 +58,38 @@ def test_standard_normal_advances_the_key_and_follows_the_dtype():
     assert not np.allclose(np.asarray(a, np.float32), np.asarray(b))
 
 
+def test_threefry_hash_matches_jax():
+    """The written-out hash gives jax's Threefry-2x32 bits (its public reference function)."""
+    from jax.extend.random import threefry_2x32
+
+    from dpcore_jax.noise import threefry2x32
+
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        key = rng.integers(0, 2 ** 32, size=2, dtype=np.uint32)
+        words = rng.integers(0, 2 ** 32, size=(2, 37), dtype=np.uint32)
+        ours = np.concatenate(threefry2x32(jnp.uint32(key[0]), jnp.uint32(key[1]),
+                                           jnp.asarray(words[0]), jnp.asarray(words[1])))
+        theirs = threefry_2x32((jnp.uint32(key[0]), jnp.uint32(key[1])), jnp.asarray(words.ravel()))
+        np.testing.assert_array_equal(ours, np.asarray(theirs))
+
+
+@pytest.mark.parametrize("size", [1, 7, 16, 1001, 16307])
+def test_noise_is_jax_random_normal_of_the_split_key(size):
+    """standard_normal(key) is (split(key)[0], the first values of jax.random.normal(split(key)[1],
+    (m,)) for m the size rounded up to 16), bit for bit, also under jit."""
+    from dpcore_jax.noise import standard_normal
+
+    key = make_key(11)
+    like = jnp.zeros((), jnp.float32)
+    next_key, draws = jax.jit(lambda k: standard_normal(k, (size,), like))(key)
+    expected_next, sub = jax.random.split(key)
+    with jax.threefry_partitionable(False):
+        expected = jax.random.normal(sub, (max(16, -(-size // 16) * 16),), jnp.float32)[:size]
+    np.testing.assert_array_equal(np.asarray(draws), np.asarray(expected))
+    np.testing.assert_array_equal(jax.random.key_data(next_key), jax.random.key_data(expected_next))
+
+
 def test_conversion_round_trip():
     backend = JaxBackend()
     x = np.arange(6.0).reshape(2, 3)
