@@ -21,6 +21,7 @@ Other floating dtypes than float32 use ``jax.random.normal`` in that dtype, also
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -64,16 +65,21 @@ def _is_threefry(key) -> bool:
             and str(jax.random.key_impl(key)) == "threefry2x32")
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _draws(key, m: int, dtype):
+    """``(next_key, m standard normals)``, compiled on its own when called outside ``jit``
+    (its m-long output keeps the loop vectorised; the caller's slice is a separate op)."""
+    key, sub = jax.random.split(key)
+    if dtype == jnp.float32 and _is_threefry(sub):
+        return key, _normal_float32(sub, m)
+    with jax.threefry_partitionable(False):
+        return key, jax.random.normal(sub, (m,), dtype)
+
+
 def standard_normal(key, shape, like) -> tuple[jax.Array, jax.Array]:
     """``(next_key, N(0, 1) draws of shape)`` in ``like``'s floating dtype (float32
     otherwise). Pure: usable inside ``jit``."""
     dtype = like.dtype if jnp.issubdtype(like.dtype, jnp.floating) else jnp.float32
-    key, sub = jax.random.split(key)
     size = math.prod(shape)
-    m = max(_ALIGN, -(-size // _ALIGN) * _ALIGN)
-    if dtype == jnp.float32 and _is_threefry(sub):
-        draws = _normal_float32(sub, m)
-    else:
-        with jax.threefry_partitionable(False):
-            draws = jax.random.normal(sub, (m,), dtype)
+    key, draws = _draws(key, max(_ALIGN, -(-size // _ALIGN) * _ALIGN), jnp.dtype(dtype))
     return key, draws[:size].reshape(tuple(shape))
