@@ -52,7 +52,8 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def standard_normal(self, rng, shape: tuple[int, ...], like) -> tuple[Any, Any]:
         """``(rng, noise)``: N(0, 1) draws of ``shape`` with ``like``'s dtype and device, and the
-        generator state to use next (stateful generators are returned as they are)."""
+        generator state to use next (stateful generators are returned as they are). ``noise``
+        is a new array the caller owns: it may be updated in place."""
 
     def poisson_sampler(self, n: int, q: float, *, seed=None) -> PoissonSampler:
         """The sampler this backend's data pipeline draws batches with: Poisson sampling of

@@ -190,6 +190,34 @@ def test_backend_contract():
     assert backend.per_example_grads(loss_fn, {"w": w}, x[:0])["w"].shape == (0, 3, 2)
 
 
+def test_large_cpu_draws_come_from_one_stream_per_piece_whatever_the_threads():
+    """Above STREAM_CHUNK values, piece k of the draw is torch.randn from a generator seeded
+    (seed + k * golden) mod 2^63, drawn in parallel: the same values on 1 or 2 threads, and
+    a standard normal law overall."""
+    from dpcore_torch.backend import _GOLDEN, STREAM_CHUNK
+
+    backend = dpcore.get_backend("torch")
+    like = torch.zeros((), dtype=torch.float32)
+    size = 2 * STREAM_CHUNK + 1001
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = backend.standard_normal(backend.rng(9), (size,), like)[1]
+        torch.set_num_threads(1)
+        one = backend.standard_normal(backend.rng(9), (size,), like)[1]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    for k, piece in enumerate(two.split(STREAM_CHUNK)):
+        gen = torch.Generator().manual_seed((9 + k * _GOLDEN) % 2 ** 63)
+        assert torch.equal(piece, torch.randn(piece.shape, generator=gen))
+    assert abs(float(two.mean())) < 5 / math.sqrt(size)
+    assert abs(float(two.std()) - 1) < 0.01
+    rng = backend.rng(9)
+    first, second = (backend.standard_normal(rng, (size,), like)[1] for _ in range(2))
+    assert not torch.equal(first, second)  # every stream moves on
+
+
 def test_target_epsilon_calibrates_the_noise_up_front():
     from dpcore import accounting
 
