@@ -1,8 +1,9 @@
 """The JAX backend: the :class:`dpcore.backend.Backend` contract on ``jax.numpy`` arrays.
 
 Randomness is explicit, as everywhere in JAX: :meth:`JaxBackend.rng` returns a typed
-``threefry2x32`` key and :meth:`JaxBackend.standard_normal` splits it (:mod:`dpcore_jax.noise`), returning the key to use
-next, so the generator state is carried in the caller's state (the aggregator, an optax state).
+``threefry2x32`` key and :meth:`JaxBackend.standard_normal` splits it
+(:mod:`dpcore_jax.noise`), returning the key to use next, so the generator state is carried
+in the caller's state (the aggregator, an optax state).
 
 Per-example gradients of ``loss_fn(params, batch) -> (B,)`` are ``vmap(grad)`` of the loss of
 one-example batches, compiled with ``jit``. :meth:`JaxBackend.private_gradient` is the fused

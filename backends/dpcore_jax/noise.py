@@ -5,8 +5,9 @@ but about twice as fast on CPU.
 0..m-1 with Threefry-2x32-20 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
 SC 2011), the first half of the counters as the hash's first word and the second half as its
 second, turns each 32-bit output b into f = (b >> 9) 2^-23 in [0, 1) and u = lo + (1 - lo) f
-with lo = nextafter(-1, 0) (so u is in (-1, 1)), and returns sqrt(2) erfinv(u). :func:`standard_normal` does exactly that, with two
-differences that only change speed, measured on 2 CPU cores:
+with lo = nextafter(-1, 0) (so u is in (-1, 1)), and returns sqrt(2) erfinv(u).
+:func:`standard_normal` does exactly that, with two differences that only change speed,
+measured on 2 CPU cores:
 
 * the 20 rounds are written out, where JAX lowers its hash to a rolled ``while`` loop on CPU
   (each of its 5 iterations reads and writes both half arrays): 16,308 normals in 0.12
@@ -16,7 +17,10 @@ differences that only change speed, measured on 2 CPU cores:
   against 0.12 ms), and a 2-mod-4 half length even slows JAX's own loop ~6x.
 
 The first ``size`` of the m values are returned (all m are independent standard normals).
-Other floating dtypes than float32 use ``jax.random.normal`` in that dtype, also for m values.
+Outside ``jit`` the m draws are one compiled program and the cut a separate operation; inside
+a step XLA decides the fusion (in dpcore's compiled steps the hash and ``erf_inv`` stay
+m-long, checked in their HLO). Other floating dtypes than float32 use ``jax.random.normal``
+in that dtype, also for m values.
 """
 
 from __future__ import annotations
