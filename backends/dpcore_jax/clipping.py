@@ -5,7 +5,7 @@ For a batch of B rows (records), ``mask`` (B,) marking the real ones, and the gr
 
     sq[i, j]   = ||dl_i/dtheta_j||^2                (ghost norms or vmap; :mod:`dpcore_jax.ghost`)
     f[i, g]    = min(1, S_g / ||(dl_i/dtheta_j / alpha_j)_{j in g}||) for real finite rows, else 0
-    sums[j]    = sum_i f[i, g(j)] dl_i/dtheta_j     (book-keeping or an einsum over vmap grads)
+    sums[j]    = sum_i f[i, g(j)] dl_i/dtheta_j     (book-keeping, or from per-example grads)
 
 with the core's Array API kernels (:func:`dpcore.aggregation.group_norms`,
 :func:`~dpcore.aggregation.clip_factors` with ``on_nonfinite="drop"``, which needs no host
@@ -54,16 +54,16 @@ def _chunk(loss_fn, mechanism, method, params, batch, mask, clips):
     if method == "vmap":
         grads = named_leaves(jax.vmap(jax.grad(one_example_loss(loss_fn)), in_axes=(None, 0))(
             params, batch))
-        sites, fallback_grads, site_grads, acts, formed = (), grads, {}, {}, {}
+        sites, fallback_grads, site_grads, acts, by_site = (), grads, {}, {}, {}
         sq = {leaf: jnp.sum(g.reshape(rows, math.prod(g.shape[1:])) ** 2, axis=1) for leaf, g in grads.items()}
     else:
         example = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
         plan = ghost.plan(loss_fn, jax.tree_util.tree_map(_spec, params), example)
         fallback_grads, site_grads, acts = ghost.per_example_parts(plan, named, batch)
-        sites = plan.sites  # summed by book-keeping
-        formed = {site.leaf: ghost.site_grads(site, named[site.leaf], acts[site.index],
-                                              site_grads[site.index]) for site in sites}
-        sq = {leaf: grads.sq for leaf, grads in formed.items()}
+        sites = plan.sites  # summed by their rules (ghost.site_weighted_sum)
+        by_site = {site.leaf: ghost.site_grads(site, named[site.leaf], acts[site.index],
+                                               site_grads[site.index]) for site in sites}
+        sq = {leaf: grads.sq for leaf, grads in by_site.items()}
         sq.update({leaf: jnp.sum(g.reshape(rows, math.prod(g.shape[1:])) ** 2, axis=1)
                    for leaf, g in fallback_grads.items() if leaf not in sq})
     dtype = jnp.result_type(jnp.float32, *[v.dtype for v in sq.values()])
@@ -81,7 +81,7 @@ def _chunk(loss_fn, mechanism, method, params, batch, mask, clips):
                                        zero_rows=jnp.logical_not(keep) if zero_dropped else None)
         for site in sites:
             sums[site.leaf] = ghost.site_weighted_sum(
-                site, named[site.leaf], formed[site.leaf], acts[site.index],
+                site, named[site.leaf], by_site[site.leaf], acts[site.index],
                 site_grads[site.index], factors[:, group_of[site.leaf]],
                 keep if zero_dropped else None)
         for leaf in leaves:  # leaves the loss does not read have gradient 0
