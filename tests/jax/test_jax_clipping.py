@@ -62,7 +62,7 @@ def oracle(kind):
 
 CASES = ([(kind, "ghost", None) for kind in models.KINDS]
          + [("cnn", "vmap", None), ("transformer", "vmap", None), ("tied", "vmap", None),
-            ("mlp", "ghost", 4), ("transformer", "ghost", 4)])
+            ("mlp", "ghost", 4), ("cnn", "ghost", 4), ("transformer", "ghost", 4)])
 
 
 @pytest.mark.parametrize("kind,method,chunk", CASES)
