@@ -26,9 +26,7 @@ from dpcore import backend as contract
 from dpcore.aggregation import NonFiniteNormError, per_leaf_sq_norms
 
 from .names import leaf_names, named_leaves
-from .noise import standard_normal
-
-KEY_IMPL = "threefry2x32"
+from .noise import KEY_IMPL, standard_normal
 
 
 def make_key(seed: int | None = None) -> jax.Array:

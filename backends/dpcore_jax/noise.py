@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+KEY_IMPL = "threefry2x32"  # the key implementation the fast path draws from
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _PARITY = 0x1BD11BDA
 _ALIGN = 16
@@ -66,7 +67,7 @@ def _normal_float32(key, m: int):
 
 def _is_threefry(key) -> bool:
     return (jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-            and str(jax.random.key_impl(key)) == "threefry2x32")
+            and str(jax.random.key_impl(key)) == KEY_IMPL)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
