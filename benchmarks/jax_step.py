@@ -8,10 +8,11 @@ MLP with layer norms, sequence 64) at batch 32.
 The non-private step is ``jit(grad of the mean loss + SGD update)`` on a fixed batch of B (the
 goal's baseline), and the same step on a fresh random batch of B rows per step gathered on the
 host ("fresh": the data movement a real input pipeline adds, which the DP step also pays). The
-DP step is everything a private step costs: a Poisson sample of expected size B = q n drawn on
-the host (its sampling event written), padded to its bucket, the fused compiled step (norms,
-clipping, noise, SGD update) and the sum-query events written, until the new parameters are
-ready. Rounds alternate ``--steps`` steps of each kind so all see the same machine load;
+DP step is everything a private step costs, run as ``dpcore_jax.train`` runs it: the step's
+sampling event written, its Poisson sample (of expected size B = q n, padded to its bucket)
+handed over, the fused compiled step (norms, clipping, noise, SGD update) dispatched, the
+sum-query events written and the next sample drawn and padded while the device computes,
+until the new parameters are ready. The fresh step gathers its next batch the same way. Rounds alternate ``--steps`` steps of each kind so all see the same machine load;
 DP steps that compiled a new bucket are not timed (their count is reported). Reported: median
 step times and their ratio, each step waited for ("blocked"), and per step of ``--steps``
 steps dispatched back to back and waited for once ("pipelined"): how a training loop runs
@@ -173,15 +174,21 @@ def run(name, rounds, steps, method, seed=0):
         plain["params"], plain["state"] = plain_step(plain["params"], plain["state"], fixed)
         return plain["params"]
 
-    def plain_fresh_once():  # a new random batch of B rows per step, gathered on the host
+    def fresh_batch():
         rows = np.sort(rng.choice(n, size, replace=False))
-        batch = jax.tree_util.tree_map(lambda a: a[rows], data)
-        plain["params"], plain["state"] = plain_step(plain["params"], plain["state"], batch)
+        return jax.tree_util.tree_map(lambda a: a[rows], data)
+
+    ahead = [fresh_batch()]
+
+    def plain_fresh_once():  # a new random batch of B rows per step, gathered on the host
+        plain["params"], plain["state"] = plain_step(plain["params"], plain["state"], ahead[0])
+        ahead[0] = fresh_batch()  # the next one, while the device computes (as train() does)
         return plain["params"]
 
-    def dp_once():
+    def dp_once():  # as dpcore_jax.train runs a step
         batch, mask = batches.next()
         dp["params"], dp["state"] = private_step(dp["params"], dp["state"], batch, mask)
+        batches.prefetch()
         return dp["params"]
 
     def pipelined(fn):  # per step of `steps` dispatched back to back, waited for once

@@ -210,6 +210,7 @@ def train_jax(data, args, *, private: bool, progress: bool = True):
         for epoch in range(args.epochs):
             for _ in range(steps):
                 params, state = step_fn(params, state, *batches.next())
+                batches.prefetch()  # the next sample, while the device computes
             eps = epsilon(aggregator.ledger, DELTA, accountant=args.accountant)
             curve.append(((epoch + 1) * steps, eps))
             if progress:

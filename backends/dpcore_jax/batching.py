@@ -77,11 +77,17 @@ def _rows(data) -> int:
 class PoissonBatches:
     """Padded Poisson batches of ``data`` for ``aggregator``'s sampling.
 
-    Each step calls ``aggregator.sample()``, which draws the sample and writes the step's
-    sampling event to the ledger, then pads the sample to its bucket. Iterating yields
-    ``(batch, mask)``; with ``splits=k`` (gradient accumulation) it yields a list of k
+    Each step draws a sample from ``aggregator.sampler``, writes the step's sampling event to
+    the ledger (``aggregator.begin_step()``) and pads the sample to its bucket. Iterating
+    yields ``(batch, mask)``; with ``splits=k`` (gradient accumulation) it yields a list of k
     equal-sized ``(batch, mask)`` parts of one sample, whose clipped sums are to be added and
     noised once. ``steps`` bounds the iteration (None: endless).
+
+    :meth:`prefetch` draws and pads the next sample ahead, for a loop to call once a step has
+    been dispatched, so the host work overlaps the device's (as :func:`dpcore_jax.train`
+    does); its sampling event is still written only by the :meth:`next` that begins its step,
+    so the ledger keeps each step's sampling before its sums and a sample never used costs
+    nothing.
     """
 
     def __init__(self, data, aggregator, *, buckets: Buckets | None = None, splits: int = 1,
@@ -99,10 +105,19 @@ class PoissonBatches:
             raise ValueError(f"bucket granularity {self.buckets.granularity} is not a multiple "
                              f"of splits={self.splits}")
         self.steps = None if steps is None else check.count("steps", steps)
+        self._ahead = None
+
+    def prefetch(self) -> None:
+        """Draw and pad the next step's sample now (once; no ledger event)."""
+        if self._ahead is None:
+            indices = self.aggregator.sampler.sample()
+            self._ahead = pad(self.data, indices, self.buckets.size_for(len(indices)))
 
     def next(self):
-        indices = self.aggregator.sample()
-        batch, mask = pad(self.data, indices, self.buckets.size_for(len(indices)))
+        """Begin a step (its sampling event) and return its padded batch (or parts)."""
+        self.prefetch()
+        self.aggregator.begin_step()
+        (batch, mask), self._ahead = self._ahead, None
         if self.splits == 1:
             return batch, mask
         return split(batch, mask, self.splits)

@@ -5,7 +5,8 @@ Adam, schedules) is post-processing and costs no privacy. :class:`PrivateStep` c
 clipped sums, noise, the optimizer update and ``optax.apply_updates`` into one program per
 batch shape; the host then writes the step's sum-query events before returning the new
 parameters (see :mod:`dpcore_jax.private_grad`). :func:`train` runs it on padded Poisson
-batches until ``steps`` steps are done.
+batches until ``steps`` steps are done, drawing and padding each next sample while the
+device computes the current step.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Callable
 
 import jax
 import optax
+
+from dpcore import _validation as check
 
 from .batching import Buckets, PoissonBatches
 from .grad import _Compiled, private_mean_fn
@@ -61,13 +64,15 @@ def train(loss_fn: Callable, params, data, aggregator, optimizer: optax.Gradient
     of NumPy arrays with one row per record, ``aggregator.n`` rows); returns
     ``(params, opt_state)``. ``callback(step, params)`` runs after every step. Every step's
     sampling and sum-query events are in ``aggregator.ledger``."""
+    steps = check.count("steps", steps)
     private_step = PrivateStep(loss_fn, optimizer, aggregator, chunk_size=chunk_size,
                                method=method)
     opt_state = private_step.init(params)
-    batches = PoissonBatches(data, aggregator, buckets=buckets, steps=steps,
-                             splits=1)
-    for t, (batch, mask) in enumerate(batches):
-        params, opt_state = private_step(params, opt_state, batch, mask)
+    batches = PoissonBatches(data, aggregator, buckets=buckets)
+    for t in range(steps):
+        params, opt_state = private_step(params, opt_state, *batches.next())
+        if t + 1 < steps:
+            batches.prefetch()  # while the device computes this step
         if callback is not None:
             callback(t, params)
     return params, opt_state

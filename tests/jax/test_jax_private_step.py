@@ -115,6 +115,30 @@ def test_ledger_has_each_step_before_its_result_and_seeds_reproduce():
         assert not np.allclose(a, c)
 
 
+def test_prefetch_draws_the_same_samples_and_writes_each_sampling_event_when_its_step_begins():
+    rng = np.random.default_rng(12)
+    x, y = models.data(rng, "mlp", 300)
+
+    def batches(seed):
+        agg = aggregator(dpcore.flat(["w"], 1.0, 1.0), n=300, q=0.1, seed=seed)
+        return agg, PoissonBatches((x, y), agg)
+
+    plain_agg, plain = batches(6)
+    agg, ahead = batches(6)
+    for _ in range(4):
+        expected_batch, expected_mask = plain.next()
+        ahead.prefetch()
+        ahead.prefetch()  # a second call draws nothing more
+        events = len(agg.ledger.events)
+        (got_x, got_y), got_mask = ahead.next()
+        assert len(agg.ledger.events) == events + 1
+        assert isinstance(agg.ledger.events[-1], SamplingEvent)
+        np.testing.assert_array_equal(got_mask, expected_mask)
+        np.testing.assert_array_equal(got_x, expected_batch[0])
+        np.testing.assert_array_equal(got_y, expected_batch[1])
+    assert len(agg.ledger.events) == len(plain_agg.ledger.events) == 4
+
+
 def test_raise_policy_releases_nothing_and_drop_policy_continues():
     rng = np.random.default_rng(4)
     loss_fn, params = models.model(rng, "mlp")
@@ -217,3 +241,16 @@ def test_backend_private_gradient_is_the_fused_step_and_writes_the_ledger():
     assert [type(e) for e in agg.ledger.events] == [SamplingEvent, SumQueryEvent]
     with pytest.raises(TypeError, match="backend must be the JAX backend"):
         private_grad(loss_fn, dpcore.PrivateAggregator(agg.mechanism, n=10, q=0.5))
+
+
+def test_the_main_job_runs_with_the_jax_backend(tmp_path, capsys, load_example):
+    pytest.importorskip("sklearn")
+    pytest.importorskip("matplotlib")
+    digits = load_example("digits")
+    ledger, plot = tmp_path / "ledger.jsonl", tmp_path / "eps.png"
+    digits.main(["--backend", "jax", "--epochs", "2", "--epsilon", "4", "--ledger", str(ledger),
+                 "--plot", str(plot)])
+    out = capsys.readouterr().out
+    assert "test accuracy" in out and "non-private" in out
+    steps = dpcore.read_ledger(ledger).steps()
+    assert sum(s.count for s in steps) == 2 * 22  # round(1437 / 64) steps per epoch
