@@ -8,9 +8,11 @@ norms ||a_i||^2 ||g_i||^2 of every Linear weight and ||g_i||^2 of its bias, flat
 the clipped sums (c g)^T a and c^T g, one noise draw, the division by B and the optimizer step.
 What it leaves out (ledger, groups, validation, non-finite checks) is the library's cost, so
 dpcore's ratio minus this one is dpcore's overhead, and a goal below this ratio needs fused or
-compiled kernels rather than fewer Python lines.
+compiled kernels rather than fewer Python lines. ``--compiled`` measures that: the same step with
+its tail (norms, factors, clipped sums, noise) compiled by ``torch.compile`` into fused kernels
+(the forward and backward stay eager).
 
-    python benchmarks/torch_floor.py [--rounds 2000]
+    python benchmarks/torch_floor.py [--rounds 2000] [--compiled]
 """
 
 from __future__ import annotations
@@ -28,7 +30,31 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_models import workload  # noqa: E402
 
 
-def hand_written_dp_step(model, x, y, optimizer, generator, clip=1.0, noise_multiplier=1.0):
+def clipped_noisy_grads(inputs, backprops, noise, clip: float, std: float):
+    """The DP tail from the kept inputs a and backprops g of the Linear layers (mean loss, so
+    g carries 1/B): ghost norms, flat clip factors, clipped sums with noise, divided by B;
+    one (weight, bias) gradient pair per layer."""
+    batch = inputs[0].shape[0]
+    columns = []
+    for a, g in zip(inputs, backprops):
+        g_sq = torch.linalg.vector_norm(g, dim=1).square()
+        columns += [torch.linalg.vector_norm(a, dim=1).square() * g_sq, g_sq]
+    norms = torch.stack(columns, 1).sum(1).mul(batch * batch).sqrt()
+    factors = (clip / torch.clamp(norms, min=clip)).mul(batch)
+    grads, start = [], 0
+    for a, g in zip(inputs, backprops):
+        g = g * factors[:, None]
+        pair = []
+        for total in (g.t().mm(a), g.sum(0)):
+            piece = noise[start:start + total.numel()].view_as(total)
+            pair.append(total.add(piece, alpha=std).div(batch))
+            start += total.numel()
+        grads.append(pair)
+    return grads
+
+
+def hand_written_dp_step(model, x, y, optimizer, generator, tail=clipped_noisy_grads, clip=1.0,
+                         noise_multiplier=1.0):
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs, outputs = [], []
     h = x
@@ -39,28 +65,21 @@ def hand_written_dp_step(model, x, y, optimizer, generator, clip=1.0, noise_mult
         outputs.append(z)
         h = torch.tanh(z) if i < len(layers) - 1 else z
     F.cross_entropy(h, y).backward()
-    batch = x.shape[0]
-    columns = []
-    for a, z in zip(inputs, outputs):
-        g_sq = torch.linalg.vector_norm(z.grad, dim=1).square_()
-        columns += [torch.linalg.vector_norm(a, dim=1).square_().mul_(g_sq), g_sq]
-    norms = torch.stack(columns, 1).sum(1).mul_(batch * batch).sqrt_()
-    factors = (clip / torch.clamp(norms, min=clip)).mul_(batch)  # mean loss: g carries 1/B
     sizes = sum(p.numel() for p in model.parameters())
     noise = torch.randn(sizes, generator=generator)
-    start = 0
-    for a, z, layer in zip(inputs, outputs, layers):
-        g = z.grad * factors[:, None]
-        for p, total in ((layer.weight, g.t().mm(a)), (layer.bias, g.sum(0))):
-            piece = noise[start:start + p.numel()].view_as(total)
-            p.grad = total.add_(piece, alpha=noise_multiplier * clip).div_(batch)
-            start += p.numel()
+    grads = tail([a.detach() for a in inputs], [z.grad for z in outputs], noise, clip,
+                 noise_multiplier * clip)
+    for layer, (weight, bias) in zip(layers, grads):
+        layer.weight.grad, layer.bias.grad = weight, bias
     optimizer.step()
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2000)
+    parser.add_argument("--compiled", action="store_true",
+                        help="also time the step with its tail compiled by torch.compile "
+                             "(inductor; needs a C++ compiler)")
     args = parser.parse_args(argv)
     model, x, y = workload("mlp")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -71,10 +90,12 @@ def main(argv=None) -> None:
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
 
-    def private():
-        hand_written_dp_step(model, x, y, optimizer, generator)
-
-    steps = {"non-private": non_private, "hand-written DP": private}
+    steps = {"non-private": non_private,
+             "hand-written DP": lambda: hand_written_dp_step(model, x, y, optimizer, generator)}
+    if args.compiled:
+        tail = torch.compile(clipped_noisy_grads, dynamic=False)
+        steps["tail compiled"] = lambda: hand_written_dp_step(model, x, y, optimizer, generator,
+                                                              tail=tail)
     for step in steps.values():
         for _ in range(50):
             step()
