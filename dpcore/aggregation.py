@@ -20,7 +20,7 @@ import math
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
-from array_api_compat import array_namespace, device
+from array_api_compat import array_namespace, device, is_writeable_array
 
 from .queries import Mechanism
 
@@ -156,6 +156,9 @@ def _shaped(x, shape: tuple, xp):
     return x if tuple(x.shape) == shape else xp.reshape(x, shape)
 
 
+PER_LEAF_ADD = 2 ** 14  # average values per leaf from which sums are added leaf by leaf
+
+
 def noisy_average(sums: Mapping[str, object], mechanism: Mechanism, rng,
                   standard_normal: Callable, divisor: float, *, xp=None) -> tuple[object, dict]:
     """``(sums[j] + alpha_j sigma~_g N(0, I)) / divisor`` for every leaf j, with fresh noise.
@@ -167,6 +170,12 @@ def noisy_average(sums: Mapping[str, object], mechanism: Mechanism, rng,
     (small models are dominated by per-operation overhead). The draw, which the caller owns,
     becomes the result through in-place operators (libraries with immutable arrays rebind):
     for 1.7 million float32 values in PyTorch 0.9 ms against 9.4 ms for three new arrays.
+    The sums (and per-leaf noise scales) reach the draw through concatenated copies, or, when
+    the leaves average at least ``PER_LEAF_ADD`` values and the draw is writeable, leaf by
+    leaf into its pieces, which saves model-sized copies (PyTorch, a 1.7-million-value
+    transformer in 30 leaves: 12.7 against 17.2 ms for this function, its training step
+    2.1 ms faster over 150 interleaved steps; a 16,307-value MLP in 6 leaves: 0.15 against
+    0.12 ms by concatenation).
     ``xp`` is the arrays' namespace, for backends array-api-compat does not know.
     """
     if not divisor > 0:
@@ -180,20 +189,31 @@ def noisy_average(sums: Mapping[str, object], mechanism: Mechanism, rng,
         xp = xp or array_namespace(sums[leaves[0]])
         sizes = [math.prod(sums[leaf].shape) for leaf in leaves]
         parts = [_shaped(sums[leaf], (size,), xp) for leaf, size in zip(leaves, sizes)]
-        flat = parts[0] if len(parts) == 1 else xp.concat(parts)
         leaf_stds = [stds[leaf] for leaf in leaves]
         if max(leaf_stds) == 0:
-            noisy = flat / divisor
+            noisy = (parts[0] if len(parts) == 1 else xp.concat(parts)) / divisor
         else:
-            rng, noisy = standard_normal(rng, (sum(sizes),), flat)
-            if min(leaf_stds) == max(leaf_stds):
-                noisy *= leaf_stds[0]
+            rng, noisy = standard_normal(rng, (sum(sizes),), parts[0])
+            if sum(sizes) >= PER_LEAF_ADD * len(parts) and is_writeable_array(noisy):
+                for piece, part, std in zip(_pieces(noisy, sizes), parts, leaf_stds):
+                    piece *= std  # in place: a view of the draw
+                    piece += part
             else:
-                noisy *= xp.concat([xp.full_like(part, s) for part, s in zip(parts, leaf_stds)])
-            noisy += flat
+                if min(leaf_stds) == max(leaf_stds):
+                    noisy *= leaf_stds[0]
+                else:
+                    noisy *= xp.concat([xp.full_like(part, s)
+                                        for part, s in zip(parts, leaf_stds)])
+                noisy += parts[0] if len(parts) == 1 else xp.concat(parts)
             noisy /= divisor
-        start = 0
-        for leaf, size in zip(leaves, sizes):
-            out[leaf] = _shaped(noisy[start:start + size], tuple(sums[leaf].shape), xp)
-            start += size
+        for leaf, piece in zip(leaves, _pieces(noisy, sizes)):
+            out[leaf] = _shaped(piece, tuple(sums[leaf].shape), xp)
     return rng, out
+
+
+def _pieces(flat, sizes):
+    """Consecutive slices of ``flat`` of the given sizes."""
+    start = 0
+    for size in sizes:
+        yield flat[start:start + size]
+        start += size

@@ -199,6 +199,32 @@ def test_noisy_average_on_every_namespace_keeps_shapes_dtypes_and_stds(namespace
     assert abs(np.corrcoef(draws["b"], draws["m"])[0, 1]) < 5 / np.sqrt(n)  # disjoint pieces
 
 
+@pytest.mark.parametrize("size", [3, aggregation.PER_LEAF_ADD + 1],
+                         ids=["concatenated", "leaf-by-leaf"])
+def test_noisy_average_values_equal_a_float64_oracle(namespace, size):
+    """Non-zero sums, both ways of adding them to the draw (small leaves are concatenated,
+    large ones added in place leaf by leaf): every value is (sum + alpha sigma~ z) / divisor
+    with z the draw's piece for that leaf, in leaf order."""
+    xp, rtol = namespace
+    data = np.random.default_rng(5)
+    sums = {"w": data.normal(size=(2, size)), "b": data.normal(size=(size,)),
+            "m": data.normal(size=(size,)), "s": data.normal(size=(size, 1))}
+    z = np.random.default_rng(9).standard_normal(sum(v.size for v in sums.values()))
+
+    def standard_normal(state, shape, like):
+        assert shape == z.shape
+        return state, xp.asarray(z.copy(), dtype=like.dtype)  # the caller's to modify
+
+    _, out = aggregation.noisy_average(to_xp(xp, sums), MECHANISM, None, standard_normal,
+                                       divisor=3.0)
+    stds, start = aggregation.leaf_noise_stds(MECHANISM), 0
+    for leaf, total in sums.items():
+        piece = z[start:start + total.size].reshape(total.shape)
+        start += total.size
+        np.testing.assert_allclose(to_numpy(out[leaf]), (total + stds[leaf] * piece) / 3.0,
+                                   rtol=rtol, atol=rtol)
+
+
 def test_noisy_average_with_leaves_of_two_dtypes():
     sums = {"w": np.ones(3, dtype=np.float32), "b": np.ones(2, dtype=np.float64),
             "m": np.ones(2, dtype=np.float32), "s": np.ones(1, dtype=np.float64)}
