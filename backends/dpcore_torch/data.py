@@ -21,10 +21,18 @@ from dpcore import PoissonSampler
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
-    """``steps`` Poisson samples of ``range(n)`` at rate ``q`` (default: about one epoch, 1/q)."""
+    """``steps`` Poisson samples of ``range(n)`` at rate ``q`` (default: about one epoch, 1/q),
+    drawn from ``sampler`` (a :class:`dpcore.PoissonSampler` of that n and q, e.g. an
+    aggregator's, which its backend made) or from a new one seeded with ``seed``."""
 
-    def __init__(self, n: int, q: float, *, steps: int | None = None, seed=None):
-        self.sampler = PoissonSampler(n, q, seed=seed)
+    def __init__(self, n: int, q: float, *, steps: int | None = None, seed=None,
+                 sampler: PoissonSampler | None = None):
+        if sampler is None:
+            sampler = PoissonSampler(n, q, seed=seed)
+        elif (sampler.n, sampler.q) != (n, q):
+            raise ValueError(f"the sampler draws from n={sampler.n} at q={sampler.q}, the "
+                             f"loader needs n={n} at q={q}")
+        self.sampler = sampler
         self.steps = steps_per_epoch(q) if steps is None else steps
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -49,13 +57,15 @@ class _EmptySafeCollate:
 
 
 def poisson_loader(dataset: Dataset, q: float, *, steps: int | None = None, seed=None,
-                   collate_fn=None, **loader_kwargs) -> DataLoader:
-    """A DataLoader of Poisson samples of ``dataset`` at rate ``q`` (``loader_kwargs`` such as
-    ``num_workers`` or ``pin_memory`` are passed on). ``loader.sample_rate`` is q."""
+                   sampler: PoissonSampler | None = None, collate_fn=None,
+                   **loader_kwargs) -> DataLoader:
+    """A DataLoader of Poisson samples of ``dataset`` at rate ``q``, drawn from ``sampler``
+    (see :class:`PoissonBatchSampler`) or a new sampler seeded with ``seed`` (``loader_kwargs``
+    such as ``num_workers`` or ``pin_memory`` are passed on). ``loader.sample_rate`` is q."""
     n = len(dataset)
     if n == 0:
         raise ValueError("cannot sample from an empty dataset")
-    batches = PoissonBatchSampler(n, q, steps=steps, seed=seed)
+    batches = PoissonBatchSampler(n, q, steps=steps, seed=seed, sampler=sampler)
     loader = DataLoader(dataset, batch_sampler=batches,
                         collate_fn=_EmptySafeCollate(dataset, collate_fn or default_collate),
                         **loader_kwargs)

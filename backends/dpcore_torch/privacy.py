@@ -13,14 +13,12 @@ from __future__ import annotations
 
 from typing import Mapping
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
 from dpcore import Mechanism, PrivateAggregator, QuantileClipping, flat, per_layer
 
-from .backend import TorchBackend
 from .data import poisson_loader, sample_rate_of, steps_per_epoch
 from .engine import PerExampleEngine
 from .optimizer import PrivateOptimizer
@@ -98,13 +96,11 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
                                      epochs * steps_per_epoch(q), accountant)
     engine = PerExampleEngine(module, mode=mode, loss_reduction=loss_reduction, prefer=prefer)
     mechanism = build_mechanism(clipping, engine.leaf_sizes, max_grad_norm, noise_multiplier)
-    sampling_seed, noise_seed = np.random.SeedSequence(seed).spawn(2)
     aggregator = PrivateAggregator(
-        mechanism, n=n, q=q, backend=TorchBackend(), ledger=ledger,
-        seed=None if seed is None else int(noise_seed.generate_state(1)[0]),
+        mechanism, n=n, q=q, backend="torch", ledger=ledger, seed=seed,
         clipping=QuantileClipping() if clip_policy == "adaptive" else clip_policy,
         budget=budget, on_nonfinite=on_nonfinite)
-    loader = poisson_loader(
-        data_loader.dataset, q, seed=sampling_seed, collate_fn=data_loader.collate_fn,
+    loader = poisson_loader(  # the aggregator's sampler: the backend's, which conformance tests
+        data_loader.dataset, q, sampler=aggregator.sampler, collate_fn=data_loader.collate_fn,
         num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory)
     return module, PrivateOptimizer(optimizer, engine, aggregator), loader

@@ -128,6 +128,25 @@ def test_training_loop_with_the_poisson_loader_writes_one_step_per_batch(tmp_pat
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.25)
 
 
+def test_make_private_samples_with_the_registered_backends_sampler():
+    """One run, one sampling stream: the loader draws from the aggregator's sampler, which the
+    registered torch backend made (the sampler the conformance suite tests); a seed fixes it."""
+    ds = data(50)
+
+    def run(seed):
+        model = mlp()
+        model, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                          DataLoader(ds, batch_size=5), noise_multiplier=1.0,
+                                          max_grad_norm=1.0, seed=seed)
+        assert opt.aggregator.backend is dpcore.get_backend("torch")
+        assert loader.batch_sampler.sampler is opt.aggregator.sampler
+        return list(loader.batch_sampler)  # the index lists of one epoch
+
+    assert run(3) == run(3) != run(4)
+    with pytest.raises(ValueError, match="the loader needs n=50 at q=0.2"):
+        poisson_loader(ds, 0.2, sampler=dpcore.PoissonSampler(40, 0.2))
+
+
 def test_poisson_loader_sizes_and_empty_batches():
     ds = data(20)
     loader = poisson_loader(ds, 0.05, steps=400, seed=0)
