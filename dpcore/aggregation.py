@@ -193,8 +193,9 @@ def noisy_average(sums: Mapping[str, object], mechanism: Mechanism, rng,
         if max(leaf_stds) == 0:
             noisy = (parts[0] if len(parts) == 1 else xp.concat(parts)) / divisor
         else:
-            rng, noisy = standard_normal(rng, (sum(sizes),), parts[0])
-            if sum(sizes) >= PER_LEAF_ADD * len(parts) and is_writeable_array(noisy):
+            count = sum(sizes)
+            rng, noisy = standard_normal(rng, (count,), parts[0])
+            if count >= PER_LEAF_ADD * len(parts) and is_writeable_array(noisy):
                 for piece, part, std in zip(_pieces(noisy, sizes), parts, leaf_stds):
                     piece *= std  # in place: a view of the draw
                     piece += part
