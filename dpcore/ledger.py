@@ -173,6 +173,12 @@ class Ledger:
     A torn last line (a crash in the middle of a write) is an error unless
     ``allow_torn_tail=True``; then it is reported with a :class:`LedgerWarning` and cut off,
     which is safe because the events of a step are written before its result is released.
+
+    A ledger file has one writer: ``Ledger(path)`` takes an exclusive lock on it (``flock``,
+    where the platform has it) until :meth:`close`, and raises :class:`LedgerError` if another
+    open ``Ledger`` (in this or another process) holds it, before reading or changing a byte,
+    so two runs cannot interleave their events or truncate each other's. Readers
+    (:func:`read_ledger`) take no lock.
     """
 
     def __init__(self, path: PathLike | None = None, *, record: str = "example",
@@ -182,7 +188,16 @@ class Ledger:
         self.fsync = fsync
         self._file: IO[str] | None = None
         wanted = Header(record=record, microbatch_size=microbatch_size)
-        if self.path is not None and self.path.exists() and self.path.stat().st_size > 0:
+        self.header, self._events = wanted, []
+        if self.path is None:
+            return
+        # "a+": created if missing, never truncated by opening; locked before it is read
+        self._file = open(self.path, "a+", encoding="utf-8", newline="\n")
+        try:
+            _lock(self._file, self.path)
+            if self._file.seek(0, os.SEEK_END) == 0:
+                self._emit([self.header.to_json()])
+                return
             header, events, keep, complete = _parse(self.path, allow_torn_tail=allow_torn_tail)
             if (header.record, header.microbatch_size) != (record, microbatch_size):
                 raise LedgerError(
@@ -190,16 +205,12 @@ class Ledger:
                     f"microbatch_size={header.microbatch_size!r}; this run asked for "
                     f"record={record!r}, microbatch_size={microbatch_size!r}")
             self.header, self._events = header, events
-            self._file = open(self.path, "r+", encoding="utf-8", newline="\n")
-            self._file.seek(keep)
-            self._file.truncate()
+            self._file.truncate(keep)
             if not complete:
                 self._file.write("\n")  # a crash tore off only the final newline
-        else:
-            self.header, self._events = wanted, []
-            if self.path is not None:
-                self._file = open(self.path, "w", encoding="utf-8", newline="\n")
-                self._emit([self.header.to_json()])
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def _sampled(self) -> bool:
@@ -259,6 +270,24 @@ class Ledger:
     def __repr__(self) -> str:
         where = str(self.path) if self.path is not None else "memory"
         return f"Ledger({where}, record={self.header.record!r}, events={len(self._events)})"
+
+
+def _lock(file: IO[str], path: Path) -> None:
+    """An exclusive lock on the open ledger ``file``, held until it is closed; LedgerError if
+    another open file holds it. Where the file system cannot lock, a :class:`LedgerWarning`."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): one writer is the caller's to ensure
+        return
+    try:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise LedgerError(f"{path} is open for writing by another Ledger (in this or another "
+                          f"process); a ledger has one writer: close that one first, or give "
+                          f"this run its own file") from None
+    except OSError as exc:
+        warnings.warn(f"{path}: the file system cannot lock the ledger ({exc}); make sure no "
+                      f"other run writes to it", LedgerWarning, stacklevel=3)
 
 
 def read_ledger(path: PathLike, *, allow_torn_tail: bool = False) -> Ledger:

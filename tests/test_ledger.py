@@ -2,6 +2,8 @@
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -65,6 +67,29 @@ def test_reopening_appends_to_the_same_ledger(tmp_path):
     assert read_ledger(path).steps() == [Step(0.1, 1.0, 2)]
     with pytest.raises(LedgerError, match="existing ledger is for record='example'"):
         Ledger(path, record="user")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="flock is POSIX")
+def test_a_ledger_file_has_one_writer(tmp_path):
+    """A second writer, in this process or another, is refused before it reads or changes a
+    byte; the first keeps writing, and once it is closed the run can be resumed."""
+    path = tmp_path / "run.jsonl"
+    first = Ledger(path)
+    first.record_sampling(0.1, 100)
+    before = path.read_bytes()
+    with pytest.raises(LedgerError, match="open for writing by another Ledger"):
+        Ledger(path)
+    other = subprocess.run(
+        [sys.executable, "-c", "import sys; from dpcore.ledger import Ledger, LedgerError\n"
+         "try:\n    Ledger(sys.argv[1])\nexcept LedgerError as e:\n    print(e)",
+         str(path)], capture_output=True, text=True, check=True)
+    assert "open for writing by another Ledger" in other.stdout
+    assert path.read_bytes() == before
+    first.record_sum_queries([SumQueryEvent("all", 1.0, 1.1)])
+    first.close()
+    with Ledger(path) as resumed:
+        assert len(resumed.events) == 2
+    assert len(read_ledger(path).events) == 2  # readers take no lock
 
 
 def test_sum_query_needs_a_sampling_event():
