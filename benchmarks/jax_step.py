@@ -11,13 +11,13 @@ host ("fresh": the data movement a real input pipeline adds, which the DP step a
 DP step is everything a private step costs, run as ``dpcore_jax.train`` runs it: the step's
 sampling event written, its Poisson sample (of expected size B = q n, padded to its bucket)
 handed over, the fused compiled step (norms, clipping, noise, SGD update) dispatched, the
-sum-query events written and the next sample drawn and padded while the device computes,
-until the new parameters are ready. The fresh step gathers its next batch the same way. Rounds alternate ``--steps`` steps of each kind so all see the same machine load;
-DP steps that compiled a new bucket are not timed (their count is reported). Reported: median
-step times and their ratio, each step waited for ("blocked"), and per step of ``--steps``
-steps dispatched back to back and waited for once ("pipelined"): how a training loop runs
-them, since JAX dispatches asynchronously and the host prepares the next batch while the
-device computes.
+sum-query events written and the next sample drawn and padded while the device computes, until
+the new parameters are ready. The fresh step gathers its next batch the same way. Rounds alternate
+``--steps`` steps of each kind so all see the same machine load; DP steps that compiled a new
+bucket are not timed (their count is reported). Reported: median step times and their ratio,
+each step waited for ("blocked"), and per step of ``--steps`` steps dispatched back to back and
+waited for once ("pipelined"): how a training loop runs them, since JAX dispatches
+asynchronously and the host prepares the next batch while the device computes.
 
 Long rounds measure the steady state of a training loop (which runs one kind of step): with
 rounds of 10 steps the sub-millisecond MLP step pays for switching between the kinds' programs

@@ -29,6 +29,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
                  sampler: PoissonSampler | None = None):
         if sampler is None:
             sampler = PoissonSampler(n, q, seed=seed)
+        elif seed is not None:
+            raise ValueError("give seed or sampler, not both: a given sampler is already seeded")
         elif (sampler.n, sampler.q) != (n, q):
             raise ValueError(f"the sampler draws from n={sampler.n} at q={sampler.q}, the "
                              f"loader needs n={n} at q={q}")

@@ -145,6 +145,8 @@ def test_make_private_samples_with_the_registered_backends_sampler():
     assert run(3) == run(3) != run(4)
     with pytest.raises(ValueError, match="the loader needs n=50 at q=0.2"):
         poisson_loader(ds, 0.2, sampler=dpcore.PoissonSampler(40, 0.2))
+    with pytest.raises(ValueError, match="give seed or sampler, not both"):
+        poisson_loader(ds, 0.2, seed=1, sampler=dpcore.PoissonSampler(50, 0.2))
 
 
 def test_poisson_loader_sizes_and_empty_batches():
