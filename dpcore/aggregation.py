@@ -16,7 +16,9 @@ CuPy, array-api-strict) and returns arrays of the same namespace and device.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+from types import MappingProxyType
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -67,13 +69,14 @@ def _unit_flat(mechanism: Mechanism, leaves: tuple[str, ...]) -> bool:
     return weights.shape[1] == 1 and bool(np.all(weights == 1.0))
 
 
-def group_norms(sq_norms, mechanism: Mechanism, leaves: Sequence[str]):
+def group_norms(sq_norms, mechanism: Mechanism, leaves: Sequence[str], *, xp=None):
     """Norms (B, G) of each record's (scaled) group vectors from per-leaf squared norms (B, L).
 
     A record with a non-finite squared norm gets non-finite norms (Inf, or NaN where the
     product forms Inf * 0), on which :func:`clip_factors` raises or which it drops. One group
-    of unit scales (flat clipping) is a row sum."""
-    xp = array_namespace(sq_norms)
+    of unit scales (flat clipping) is a row sum. ``xp`` is the arrays' namespace (found when
+    not given)."""
+    xp = xp or array_namespace(sq_norms)
     if _unit_flat(mechanism, tuple(leaves)):
         return xp.sqrt(xp.sum(sq_norms, axis=1, keepdims=True))
     weights = group_weights(mechanism, tuple(leaves))
@@ -82,7 +85,7 @@ def group_norms(sq_norms, mechanism: Mechanism, leaves: Sequence[str]):
         return xp.sqrt(sq_norms @ weights)
 
 
-def clip_factors(norms, clips, *, mask=None, on_nonfinite: str = "raise"):
+def clip_factors(norms, clips, *, mask=None, on_nonfinite: str = "raise", xp=None):
     """min(1, S_g / norm) per record and group, (B, G); ``clips`` are the S_g, floats or an
     array (G,) of the norms' namespace (a traced argument of a compiled step).
 
@@ -90,11 +93,11 @@ def clip_factors(norms, clips, *, mask=None, on_nonfinite: str = "raise"):
     with a non-finite norm (in any group) raises :class:`NonFiniteNormError`
     (``on_nonfinite="raise"``, which reads one boolean back to the host) or gets factor 0 in
     every group (``"drop"``, which stays on the device and suits jit). Dropping a record is
-    private: its contribution is 0.
+    private: its contribution is 0. ``xp`` is the arrays' namespace (found when not given).
     """
     if on_nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, got {on_nonfinite!r}")
-    xp = array_namespace(norms)
+    xp = xp or array_namespace(norms)
     if mask is None and on_nonfinite == "raise" and math.isfinite(float(xp.sum(norms))):
         return _bounded(norms, clips, xp)  # every row real and finite (norms are >= 0 or NaN)
     finite = xp.all(xp.isfinite(norms), axis=1)
@@ -132,7 +135,7 @@ def clipped_sum(per_record: Mapping[str, object], factors, mechanism: Mechanism,
 
     ``zero_rows`` (B,) bool marks rows to be replaced by zeros before the sum (padded or
     dropped records, whose values may be NaN: 0 * NaN is NaN)."""
-    group_index = {leaf: g for g, group in enumerate(mechanism.groups) for leaf in group.leaves}
+    group_index = mechanism.group_index
     out = {}
     for leaf in leaves:
         v = per_record[leaf]
@@ -146,14 +149,12 @@ def clipped_sum(per_record: Mapping[str, object], factors, mechanism: Mechanism,
     return out
 
 
-def leaf_noise_stds(mechanism: Mechanism) -> dict[str, float]:
-    """alpha_j sigma~_g for every leaf: the standard deviation of the noise on its sum."""
-    return {leaf: group.leaf_noise_std(leaf) for group in mechanism.groups for leaf in group.leaves}
-
-
-def _shaped(x, shape: tuple, xp):
-    """``x`` reshaped to ``shape``, or ``x`` itself when it has that shape already."""
-    return x if tuple(x.shape) == shape else xp.reshape(x, shape)
+@functools.lru_cache(maxsize=256)
+def leaf_noise_stds(mechanism: Mechanism) -> Mapping[str, float]:
+    """alpha_j sigma~_g for every leaf: the standard deviation of the noise on its sum
+    (read-only; cached per mechanism)."""
+    return MappingProxyType({leaf: group.leaf_noise_std(leaf) for group in mechanism.groups
+                             for leaf in group.leaves})
 
 
 PER_LEAF_ADD = 2 ** 14  # average values per leaf from which sums are added leaf by leaf
@@ -187,8 +188,9 @@ def noisy_average(sums: Mapping[str, object], mechanism: Mechanism, rng,
     out = {}
     for leaves in kinds.values():
         xp = xp or array_namespace(sums[leaves[0]])
-        sizes = [math.prod(sums[leaf].shape) for leaf in leaves]
-        parts = [_shaped(sums[leaf], (size,), xp) for leaf, size in zip(leaves, sizes)]
+        totals = [sums[leaf] for leaf in leaves]
+        parts = [t if t.ndim == 1 else xp.reshape(t, (-1,)) for t in totals]
+        sizes = [part.shape[0] for part in parts]
         leaf_stds = [stds[leaf] for leaf in leaves]
         if max(leaf_stds) == 0:
             noisy = (parts[0] if len(parts) == 1 else xp.concat(parts)) / divisor
@@ -207,14 +209,12 @@ def noisy_average(sums: Mapping[str, object], mechanism: Mechanism, rng,
                                         for part, s in zip(parts, leaf_stds)])
                 noisy += parts[0] if len(parts) == 1 else xp.concat(parts)
             noisy /= divisor
-        for leaf, piece in zip(leaves, _pieces(noisy, sizes)):
-            out[leaf] = _shaped(piece, tuple(sums[leaf].shape), xp)
+        for leaf, total, piece in zip(leaves, totals, _pieces(noisy, sizes)):
+            out[leaf] = piece if total.ndim == 1 else xp.reshape(piece, total.shape)
     return rng, out
 
 
 def _pieces(flat, sizes):
     """Consecutive slices of ``flat`` of the given sizes."""
-    start = 0
-    for size in sizes:
-        yield flat[start:start + size]
-        start += size
+    ends = list(itertools.accumulate(sizes))
+    return [flat[end - size:end] for size, end in zip(sizes, ends)]

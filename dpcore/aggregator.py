@@ -22,7 +22,7 @@ from array_api_compat import array_namespace
 from . import _validation as check
 from . import aggregation
 from .backend import Backend
-from .ledger import Ledger, PathLike, SumQueryEvent
+from .ledger import Ledger, PathLike, SamplingEvent, SumQueryEvent
 from .plugins import get_backend
 from .budget import BudgetExhaustedError, PrivacyBudget
 from .queries import Mechanism, effective_noise_multiplier
@@ -73,6 +73,7 @@ class PrivateAggregator:
             raise ValueError(f"ledger is for record={ledger.header.record!r}, the mechanism for "
                              f"record={mechanism.record!r}")
         self.ledger = ledger
+        self._sampling = SamplingEvent(self.q, self.n)  # every step's (immutable) event
         sampling_seed, noise_seed = np.random.SeedSequence(seed).spawn(2)
         self.sampler = self.backend.poisson_sampler(self.n, self.q, seed=sampling_seed)
         self.rng = self.backend.rng(None if seed is None
@@ -138,7 +139,7 @@ class PrivateAggregator:
                     f"{self.budget.target_epsilon} at delta={self.budget.delta}; "
                     f"{self._step + 1} steps were taken")
             self.budget.spend(self.q, z)
-        self.ledger.record_sampling(self.q, self.n)
+        self.ledger.write(self._sampling)
         self._enter(self._step + 1)
 
     def sample(self) -> np.ndarray:
@@ -150,10 +151,10 @@ class PrivateAggregator:
     def clip_factors(self, sq_norms, *, mask=None):
         """Per-record, per-group clip factors (B, G) from per-leaf squared norms (B, L), leaves
         in ``mechanism.leaves`` order."""
-        mechanism = self.mechanism
-        norms = aggregation.group_norms(sq_norms, mechanism, mechanism.leaves)
+        mechanism, xp = self.mechanism, self.backend.namespace()
+        norms = aggregation.group_norms(sq_norms, mechanism, mechanism.leaves, xp=xp)
         return aggregation.clip_factors(norms, [g.clip for g in mechanism.groups], mask=mask,
-                                        on_nonfinite=self.on_nonfinite)
+                                        on_nonfinite=self.on_nonfinite, xp=xp)
 
     def release_sums(self, clipped_sums: Mapping[str, object], *, factors=None,
                      mask=None) -> dict:

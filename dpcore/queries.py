@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
+from types import MappingProxyType
 from typing import Iterable, Mapping, Sequence
 
 from . import _validation as check
@@ -137,10 +139,21 @@ class Mechanism:
         check_record(self.record, self.microbatch_size)
         object.__setattr__(self, "groups", groups)
 
-    @property
+    def __getstate__(self) -> dict:  # the fields only, not the cached properties below
+        return {"groups": self.groups, "record": self.record,
+                "microbatch_size": self.microbatch_size}
+
+    # derived once per (immutable) mechanism: steps read them every time
+    @cached_property
     def leaves(self) -> tuple[str, ...]:
         """All leaf names, group by group."""
         return tuple(leaf for g in self.groups for leaf in g.leaves)
+
+    @cached_property
+    def group_index(self) -> Mapping[str, int]:
+        """{leaf: index of its group in ``groups``} (read-only)."""
+        return MappingProxyType({leaf: g for g, group in enumerate(self.groups)
+                                 for leaf in group.leaves})
 
     @property
     def noise_multiplier(self) -> float:
@@ -156,6 +169,8 @@ class Mechanism:
     def check_leaves(self, names: Iterable[str]) -> None:
         """Raise unless ``names`` are exactly the mechanism's leaves (none missing, none extra)."""
         names = set(names)
+        if names == self.group_index.keys():
+            return
         ours = set(self.leaves)
         extra, missing = sorted(names - ours), sorted(ours - names)
         if extra or missing:

@@ -74,7 +74,6 @@ def _chunk(loss_fn, mechanism, method, params, batch, mask, clips):
     finite = jnp.all(jnp.isfinite(norms), axis=1)
     keep = jnp.logical_and(mask, finite)
     nonfinite = jnp.sum(jnp.logical_and(mask, jnp.logical_not(finite)), dtype=jnp.int32)
-    group_of = {leaf: g for g, group in enumerate(mechanism.groups) for leaf in group.leaves}
 
     def weighted_sums(zero_dropped: bool):
         sums = aggregation.clipped_sum(fallback_grads, factors, mechanism, list(fallback_grads),
@@ -82,7 +81,7 @@ def _chunk(loss_fn, mechanism, method, params, batch, mask, clips):
         for site in sites:
             sums[site.leaf] = ghost.site_weighted_sum(
                 site, named[site.leaf], by_site[site.leaf], acts[site.index],
-                site_grads[site.index], factors[:, group_of[site.leaf]],
+                site_grads[site.index], factors[:, mechanism.group_index[site.leaf]],
                 keep if zero_dropped else None)
         for leaf in leaves:  # leaves the loss does not read have gradient 0
             if leaf not in sums:

@@ -53,9 +53,8 @@ class GroupClipper:
         self.structure = structure(mechanism)
         self.leaves = tuple(leaves)
         self._weights = group_weights(mechanism, self.leaves)
-        group_index = {leaf: g for g, group in enumerate(mechanism.groups) for leaf in group.leaves}
         #: column of ``factors`` that scales each leaf
-        self.column = {leaf: group_index[leaf] for leaf in self.leaves}
+        self.column = {leaf: mechanism.group_index[leaf] for leaf in self.leaves}
 
     def factors(self, sq_norms: tf.Tensor, clips: tf.Tensor, mask: tf.Tensor | None = None):
         """``(factors (B, G), nonfinite (B,) bool)`` for clips S_g (G,); non-finite rows among

@@ -111,6 +111,8 @@ class PerExampleEngine:
         if not self.params:
             raise ValueError(f"{type(module).__name__} has no trainable parameters")
         self._leaf_of = {id(p): name for name, p in self.params.items()}
+        # smallest parameters first: see clipped_sums
+        self._by_size = sorted(self.params, key=lambda name: self.params[name].numel())
         self.units: list = []
         self._handles = []
         self._leaked: set[str] = set()
@@ -262,14 +264,14 @@ class PerExampleEngine:
         soon as the sums of all its parameters are formed, so memory falls as sums grow."""
         contributions, batch = self._contributions()
         scale = self._scale(batch)
-        pending: dict[int, int] = {}
+        pending: dict = {}  # call -> parameters still to sum (calls hash by identity)
         for leaf in groups:
             for _, call, _ in contributions[leaf]:
-                pending[id(call)] = pending.get(id(call), 0) + 1
+                pending[call] = pending.get(call, 0) + 1
         out, weights = {}, {}
         # smallest parameters first: their layers' inputs and backprops are released before
         # the largest sums (an embedding's) are allocated
-        for leaf in sorted(groups, key=lambda name: self.params[name].numel()):
+        for leaf in [leaf for leaf in self._by_size if leaf in groups]:
             column = groups[leaf]
             uses, p = contributions[leaf], self.params[leaf]
             if column not in weights:  # one tensor per group, so rules can share work
@@ -285,8 +287,8 @@ class PerExampleEngine:
                 g = self._summed_grad(uses)
                 out[leaf] = torch.tensordot(c.to(g.dtype), g, dims=1)
             for _, call, _ in uses:  # release a call once all its parameters are summed
-                pending[id(call)] -= 1
-                if not pending[id(call)]:
+                pending[call] -= 1
+                if not pending[call]:
                     call.release()
         return {leaf: out[leaf] for leaf in groups}
 

@@ -251,13 +251,15 @@ class LinearRule(Rule):
         return torch.bmm(g.transpose(1, 2), x)
 
     def sq_norm(self, module, use, name, prefer="memory"):
-        x, g = self._xg(use)
+        x, g = use.x, use.g
         if x.dim() == 2:  # one position: ||g_i x_i^T||^2 = ||x_i||^2 ||g_i||^2
-            if "g2" not in use.cache:  # one norm op each (a product and a sum are two)
-                use.cache["g2"] = torch.linalg.vector_norm(g, dim=1).square_()
+            g2 = use.cache.get("g2")
+            if g2 is None:  # one norm op each (a product and a sum are two)
+                g2 = use.cache["g2"] = torch.linalg.vector_norm(g, dim=1).square_()
             if name == "bias":
-                return use.cache["g2"]
-            return torch.linalg.vector_norm(x, dim=1).square_().mul_(use.cache["g2"])
+                return g2
+            return torch.linalg.vector_norm(x, dim=1).square_().mul_(g2)
+        x, g = self._xg(use)
         if name == "bias":
             return _sq(g.sum(1))
         t, d_in, d_out = x.shape[1], x.shape[2], g.shape[2]
@@ -270,17 +272,19 @@ class LinearRule(Rule):
     def weighted_sum(self, module, use, name, c):
         if name in use.cache:
             return _contract(c, use.cache[name])
-        x, g = self._xg(use)
+        x, g = (use.x, use.g) if use.x.dim() == 2 else self._xg(use)
         c = c if c.dtype == g.dtype else c.to(g.dtype)
         if name == "bias":
             return c @ (g if g.dim() == 2 else g.sum(1))
         # scale the smaller of x and g by c_i; the product is one ordinary weight gradient
-        c = c.reshape(-1, *[1] * (x.dim() - 1))
+        c = c[:, None] if x.dim() == 2 else c[:, None, None]
         if x.shape[-1] <= g.shape[-1]:
             x = x * c
         else:
             g = g * c
-        return g.reshape(-1, g.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+        if x.dim() == 3:
+            x, g = x.flatten(0, 1), g.flatten(0, 1)
+        return g.t().mm(x)
 
 
 class ConvRule(Rule):

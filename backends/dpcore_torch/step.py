@@ -42,8 +42,7 @@ def private_grads(engine: PerExampleEngine, aggregator: PrivateAggregator, loss=
             finite = torch.isfinite(sq_norms).all(1)
             if not bool(finite.all()):
                 engine.keep_records(finite)
-        column = {leaf: g for g, group in enumerate(mechanism.groups) for leaf in group.leaves}
-        sums = engine.clipped_sums(factors, column)
+        sums = engine.clipped_sums(factors, mechanism.group_index)
     finally:
         engine.clear()  # free the kept activations and backprops before the noise
     return aggregator.release_sums(sums, factors=factors)
