@@ -10,7 +10,9 @@ optimizer step. What it leaves out (ledger, groups, validation, non-finite check
 for any model) is the library's cost, so dpcore's ratio minus this one is dpcore's overhead: on
 this sub-2-ms step mostly the Python calls a general library makes. ``--compiled`` also times the
 step with its tail (norms, factors, clipped sums, noise) compiled by ``torch.compile`` into fused
-kernels (the forward and backward stay eager).
+kernels (the forward and backward stay eager). "reused buffer" draws every step's noise into
+one buffer allocated once, so the gradients live in the same (cache-warm) memory each step,
+as a hand-written loop can arrange and a library that returns new arrays cannot.
 
     python benchmarks/torch_floor.py [--rounds 2000] [--compiled]
 """
@@ -52,7 +54,9 @@ def clipped_noisy_grads(inputs, backprops, noise, clip: float, std: float):
 
 
 def hand_written_dp_step(model, x, y, optimizer, generator, tail=clipped_noisy_grads, clip=1.0,
-                         noise_multiplier=1.0):
+                         noise_multiplier=1.0, noise_buffer=None):
+    """One DP step; ``noise_buffer`` (a flat tensor of the model's size), if given, receives
+    every step's noise draw and so becomes the gradients' memory, step after step."""
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs, outputs = [], []
     h = x
@@ -63,8 +67,8 @@ def hand_written_dp_step(model, x, y, optimizer, generator, tail=clipped_noisy_g
         outputs.append(z)
         h = torch.tanh(z) if i < len(layers) - 1 else z
     F.cross_entropy(h, y).backward()
-    sizes = sum(p.numel() for p in model.parameters())
-    noise = torch.randn(sizes, generator=generator)
+    size = sum(p.numel() for p in model.parameters())
+    noise = torch.randn(size, generator=generator, out=noise_buffer)
     grads = tail([a.detach() for a in inputs], [z.grad for z in outputs], noise, clip,
                  noise_multiplier * clip)
     for layer, (weight, bias) in zip(layers, grads):
@@ -88,8 +92,11 @@ def main(argv=None) -> None:
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
 
+    buffer = torch.empty(sum(p.numel() for p in model.parameters()))
     steps = {"non-private": non_private,
-             "hand-written DP": lambda: hand_written_dp_step(model, x, y, optimizer, generator)}
+             "hand-written DP": lambda: hand_written_dp_step(model, x, y, optimizer, generator),
+             "reused buffer": lambda: hand_written_dp_step(model, x, y, optimizer, generator,
+                                                           noise_buffer=buffer)}
     if args.compiled:
         tail = torch.compile(clipped_noisy_grads, dynamic=False)
         steps["tail compiled"] = lambda: hand_written_dp_step(model, x, y, optimizer, generator,
