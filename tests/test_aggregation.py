@@ -225,6 +225,24 @@ def test_noisy_average_values_equal_a_float64_oracle(namespace, size):
                                    rtol=rtol, atol=rtol)
 
 
+def test_noisy_average_keeps_scalar_and_higher_rank_leaves(namespace):
+    """A 0-d leaf (a scalar parameter) and a 3-d leaf are cut from the draw and shaped back:
+    values against a float64 oracle."""
+    xp, rtol = namespace
+    mechanism = Mechanism(Group("g", ("scalar", "cube"), 1.0, 0.5))
+    sums = {"scalar": np.asarray(2.0), "cube": np.arange(24.0).reshape(2, 3, 4)}
+    z = np.random.default_rng(3).standard_normal(25)
+    _, out = aggregation.noisy_average(to_xp(xp, sums), mechanism, None,
+                                       lambda r, shape, like: (r, xp.asarray(z.copy(),
+                                                                             dtype=like.dtype)),
+                                       divisor=2.0)
+    assert tuple(out["scalar"].shape) == () and tuple(out["cube"].shape) == (2, 3, 4)
+    np.testing.assert_allclose(to_numpy(out["scalar"]), (2.0 + 0.5 * z[0]) / 2.0, rtol=rtol)
+    np.testing.assert_allclose(to_numpy(out["cube"]),
+                               (sums["cube"] + 0.5 * z[1:].reshape(2, 3, 4)) / 2.0, rtol=rtol,
+                               atol=rtol)
+
+
 def test_noisy_average_with_leaves_of_two_dtypes():
     sums = {"w": np.ones(3, dtype=np.float32), "b": np.ones(2, dtype=np.float64),
             "m": np.ones(2, dtype=np.float32), "s": np.ones(1, dtype=np.float64)}

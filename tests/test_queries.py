@@ -1,6 +1,7 @@
 """Mechanism specs: validation of every field, and Eq. (1)."""
 
 import math
+import pickle
 
 import pytest
 
@@ -68,3 +69,21 @@ def test_check_leaves_names_missing_and_extra():
     m.check_leaves(["b", "w"])
     with pytest.raises(ValueError, match=r"in no group: \['x'\].*lacks: \['b'\]"):
         m.check_leaves(["w", "x"])
+
+
+def test_derived_properties_are_read_only_and_survive_pickling():
+    """``leaves`` and ``group_index`` are computed once per (immutable) mechanism; a pickled
+    mechanism carries its fields only and equals the original, caches and all."""
+    m = Mechanism((Group("a", ("w", "b"), 1.0, 2.0), Group("c", "x", 2.0, 2.0)))
+    assert dict(m.group_index) == {"w": 0, "b": 0, "x": 1}
+    assert m.leaves is m.leaves
+    with pytest.raises(TypeError):
+        m.group_index["w"] = 1
+    m.check_leaves({"x", "w", "b"})  # the cached fast path
+    with pytest.raises(ValueError, match=r"lacks: \['x'\]"):
+        m.check_leaves(["w", "b"])
+    copy = pickle.loads(pickle.dumps(m))
+    assert copy == m and hash(copy) == hash(m)
+    assert copy.leaves == m.leaves and dict(copy.group_index) == dict(m.group_index)
+    other = Mechanism((Group("a", ("w", "b"), 1.0, 2.0), Group("c", "x", 2.0, 2.0)))
+    assert {m: 1}[other] == 1  # equal mechanisms stay interchangeable as cache keys
