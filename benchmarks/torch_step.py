@@ -2,14 +2,16 @@
 Opacus (hooks, ghost, functorch), on the workloads of :mod:`torch_models`.
 
     python benchmarks/torch_step.py                  # all workloads, all modes
-    python benchmarks/torch_step.py --workloads mlp --rounds 50
+    python benchmarks/torch_step.py --workloads mlp --seconds 20
 
 A *step* is zero_grad, forward, cross-entropy (mean), backward and optimizer.step (SGD) on a
 fixed batch, so every mode does the same work (the DP modes: flat clipping at 1.0, noise
 multiplier 1.0, q n = B).
 
 Time: all modes of a workload live in one process and are timed round-robin (one step of each
-mode per round, after warm-up), so drift of the machine hits them alike; we report the median.
+mode per round, after warm-up), so drift of the machine hits them alike; we report the median
+over about ``--seconds`` of rounds (60 by default: some 450 rounds of the MLP, 40 of the
+transformer with all modes).
 
 Memory: each (workload, mode) runs in a fresh subprocess that builds the model, optimizer and
 batch, records its resident set size (RSS, /proc/self/statm), resets the kernel's peak-RSS
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -80,18 +83,32 @@ def build(name: str, mode: str):
     return step
 
 
-def time_modes(name: str, modes, rounds: int, warmup: int = 3) -> dict[str, float]:
+def time_modes(name: str, modes, *, seconds: float = 60.0, rounds: int | None = None
+               ) -> tuple[dict[str, float], int]:
+    """(median step time per mode, rounds): the modes are timed round-robin, one step of each
+    per round, for ``rounds`` rounds or as many as fill about ``seconds`` (at least 10, the
+    cost of a round estimated from three warm-up rounds), after a tenth as many more warm-up
+    rounds (a sub-millisecond step settles only after hundreds of steps)."""
     steps = {mode: build(name, mode) for mode in modes}
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    times = {mode: [] for mode in modes}
-    for _ in range(rounds):
+
+    def one_round(times=None):
         for mode, step in steps.items():
             start = time.perf_counter()
             step()
-            times[mode].append(time.perf_counter() - start)
-    return {mode: statistics.median(t) for mode, t in times.items()}
+            if times is not None:
+                times[mode].append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    for _ in range(3):
+        one_round()
+    if rounds is None:
+        rounds = max(10, math.ceil(seconds / ((time.perf_counter() - start) / 3)))
+    for _ in range(rounds // 10):
+        one_round()
+    times = {mode: [] for mode in modes}
+    for _ in range(rounds):
+        one_round(times)
+    return {mode: statistics.median(t) for mode, t in times.items()}, rounds
 
 
 def _rss() -> int:
@@ -133,7 +150,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--rounds", type=int, default=None, help="timed steps per mode")
+    parser.add_argument("--seconds", type=float, default=60.0,
+                        help="time each workload's modes for about this long (default 60)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="timed steps per mode (instead of --seconds)")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -141,13 +161,12 @@ def main(argv=None) -> None:
         print(json.dumps(peak_memory(*args.memory_child)))
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    default_rounds = {"cnn": 20, "mlp": 100, "transformer": 10}
     for name in args.workloads:
-        med = time_modes(name, args.modes, args.rounds or default_rounds[name])
+        med, rounds = time_modes(name, args.modes, seconds=args.seconds, rounds=args.rounds)
         mem = {} if args.no_memory else {m: memory_in_subprocess(name, m) for m in args.modes}
         base_t = med.get("non-private")
         base_m = mem.get("non-private")
-        print(f"\n{name}")
+        print(f"\n{name} ({rounds} rounds)")
         print(f"  {'mode':<17} {'step ms':>8} {'x time':>7} {'peak MiB':>9} {'x memory':>9}")
         for mode in args.modes:
             t = med[mode] * 1e3
