@@ -272,7 +272,7 @@ class LinearRule(Rule):
     def weighted_sum(self, module, use, name, c):
         if name in use.cache:
             return _contract(c, use.cache[name])
-        x, g = (use.x, use.g) if use.x.dim() == 2 else self._xg(use)
+        x, g = self._xg(use)
         c = c if c.dtype == g.dtype else c.to(g.dtype)
         if name == "bias":
             return c @ (g if g.dim() == 2 else g.sum(1))
