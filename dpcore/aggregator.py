@@ -5,7 +5,9 @@ framework samples) writes the sampling event; :meth:`~PrivateAggregator.release`
 record's groups, sums, writes the groups' sum-query events, adds the noise and divides by the
 public expected number of records q n. Backends that form clipped sums themselves (ghost
 clipping, book-keeping) call :meth:`~PrivateAggregator.clip_factors` and
-:meth:`~PrivateAggregator.release_sums` instead.
+:meth:`~PrivateAggregator.release_sums` instead, or, with writeable arrays, add their sums into
+the step's noise (:meth:`~PrivateAggregator.noise_draws`, then
+:meth:`~PrivateAggregator.release_noisy_sums`).
 
 The clips may move from step to step: ``clipping`` is a :class:`~dpcore.schedules.ClipSchedule`
 or :class:`~dpcore.adaptive.QuantileClipping`; :attr:`PrivateAggregator.mechanism` is always the
@@ -23,6 +25,7 @@ from . import _validation as check
 from . import aggregation
 from .backend import Backend
 from .ledger import Ledger, PathLike, SamplingEvent, SumQueryEvent
+from .noise import NoiseDraws
 from .plugins import get_backend
 from .budget import BudgetExhaustedError, PrivacyBudget
 from .queries import Mechanism, effective_noise_multiplier
@@ -165,19 +168,54 @@ class PrivateAggregator:
         if self._step < 0:
             raise RuntimeError("no sample to release from: call sample() or begin_step() first")
         self._mechanism.check_leaves(clipped_sums)
-        counts = self._policy.count_groups
-        if counts:
-            if factors is None:
-                raise ValueError("adaptive clipping needs the step's clip factors: call "
-                                 "release_sums(sums, factors=factors, mask=mask)")
-            clipped_sums = {**clipped_sums, **self._policy.count_sums(factors, mask)}
+        counts = self._count_sums(factors, mask)
         self.ledger.record_sum_queries(self._events)
         self.rng, released = aggregation.noisy_average(
-            clipped_sums, self._released, self.rng, self.backend.standard_normal,
+            {**clipped_sums, **counts}, self._released, self.rng, self.backend.standard_normal,
             self.expected_size, xp=self.backend.namespace())
         if counts:
             self._policy.observe(released)
             released = {leaf: released[leaf] for leaf in self._mechanism.leaves}
+        return released
+
+    def _count_sums(self, factors, mask) -> dict:
+        """Adaptive clipping's centred counts of the unclipped records ({} without it)."""
+        if not self._policy.count_groups:
+            return {}
+        if factors is None:
+            raise ValueError("adaptive clipping needs the step's clip factors: pass "
+                             "factors=factors (and mask=mask) to the release")
+        return self._policy.count_sums(factors, mask)
+
+    def noise_draws(self, like: Mapping[str, object]) -> NoiseDraws:
+        """This step's noise ``alpha_j sigma~_g N(0, I)`` for every leaf j, as writeable arrays
+        shaped, typed and placed like ``like[j]`` and drawn on first access
+        (:class:`~dpcore.noise.NoiseDraws`): a backend adds its clipped sums into them in place
+        and passes them to :meth:`release_noisy_sums`."""
+        if self._step < 0:
+            raise RuntimeError("no sample to release from: call sample() or begin_step() first")
+        self._mechanism.check_leaves(like)
+        return NoiseDraws(self, self._step, self._mechanism, like)
+
+    def release_noisy_sums(self, draws: NoiseDraws, *, factors=None, mask=None) -> dict:
+        """Ledger, division: the private average from this step's :meth:`noise_draws` with the
+        clipped sums added into them. Only draws made by this aggregator for the current step
+        are accepted, each once, so no gradient leaves without its noise."""
+        if not isinstance(draws, NoiseDraws) or draws.aggregator is not self:
+            raise TypeError(f"expected the NoiseDraws of this aggregator's noise_draws(), got "
+                            f"{type(draws).__name__}")
+        if draws.step != self._step or draws.released:
+            raise ValueError(f"these noise draws belong to step {draws.step}"
+                             f"{' and were released already' if draws.released else ''}; the "
+                             f"current step is {self._step}: draw a step's noise once per release")
+        counts = self._count_sums(factors, mask)
+        self.ledger.record_sum_queries(self._events)
+        released = draws.finish(self.expected_size)
+        if counts:
+            self.rng, noisy_counts = aggregation.noisy_average(
+                counts, self._released, self.rng, self.backend.standard_normal,
+                self.expected_size, xp=self.backend.namespace())
+            self._policy.observe(noisy_counts)
         return released
 
     def release(self, per_record: Mapping[str, object], *, mask=None) -> dict:

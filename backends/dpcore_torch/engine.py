@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .fallback import FallbackUnit, replaying
-from .layers import PREFERENCES, RULES, Rule
+from .layers import PREFERENCES, RULES, Rule, add_contraction
 
 MODES = ("auto", "vmap")
 REDUCTIONS = ("mean", "sum")
@@ -258,7 +258,16 @@ class PerExampleEngine:
                 call.keep_rows(keep)
 
     def clipped_sums(self, factors, groups: Mapping[str, int]) -> dict[str, torch.Tensor]:
-        """sum_i factors[i, groups[leaf]] * grad_i for every leaf: the book-keeping sums.
+        """sum_i factors[i, groups[leaf]] * grad_i for every leaf: the book-keeping sums
+        (:meth:`add_clipped_sums` into zeros)."""
+        out = {leaf: torch.zeros_like(self.params[leaf]) for leaf in groups}
+        self.add_clipped_sums(factors, groups, out)
+        return out
+
+    def add_clipped_sums(self, factors, groups: Mapping[str, int], out: Mapping) -> None:
+        """``out[leaf] += sum_i factors[i, groups[leaf]] * grad_i`` in place for every leaf
+        used in the step (an unused leaf's ``out`` is not touched: its sum is zero); ``out``
+        is typically the step's noise (:class:`dpcore.noise.NoiseDraws`, drawn on access).
 
         This consumes the step: each layer call's kept input and backprop are released as
         soon as the sums of all its parameters are formed, so memory falls as sums grow."""
@@ -268,29 +277,27 @@ class PerExampleEngine:
         for leaf in groups:
             for _, call, _ in contributions[leaf]:
                 pending[call] = pending.get(call, 0) + 1
-        out, weights = {}, {}
+        weights = {}
         # smallest parameters first: their layers' inputs and backprops are released before
-        # the largest sums (an embedding's) are allocated
+        # the largest sums (an embedding's) are formed
         for leaf in [leaf for leaf in self._by_size if leaf in groups]:
+            uses = contributions[leaf]
+            if not uses:
+                continue
             column = groups[leaf]
-            uses, p = contributions[leaf], self.params[leaf]
             if column not in weights:  # one tensor per group, so rules can share work
                 weights[column] = factors[:, column] * scale if scale != 1.0 else \
                     factors[:, column]
             c = weights[column]
-            if not uses:
-                out[leaf] = torch.zeros_like(p)
-            elif len(uses) == 1 and isinstance(uses[0][0], _RuleUnit):
+            if len(uses) == 1 and isinstance(uses[0][0], _RuleUnit):
                 unit, call, key = uses[0]
-                out[leaf] = unit.rule.weighted_sum(unit.module, call, key, c)
+                unit.rule.add_weighted_sum(unit.module, call, key, c, out[leaf])
             else:
-                g = self._summed_grad(uses)
-                out[leaf] = torch.tensordot(c.to(g.dtype), g, dims=1)
+                add_contraction(out[leaf], c, self._summed_grad(uses))
             for _, call, _ in uses:  # release a call once all its parameters are summed
                 pending[call] -= 1
                 if not pending[call]:
                     call.release()
-        return {leaf: out[leaf] for leaf in groups}
 
     def __repr__(self) -> str:
         kinds = [type(u.module).__name__ + ("" if isinstance(u, _RuleUnit) else "(vmap)")

@@ -7,8 +7,9 @@ gradient. From (x, g) each rule gives, for example i:
 
 * the per-example gradient (materialised, ``grad``);
 * its squared norm (``sq_norm``), by the ghost-norm identity when that is cheaper;
-* the clipped sum ``sum_i c_i grad_i`` (``weighted_sum``), from x and c_i g_i directly
-  ("book-keeping", Bu et al. 2023): one product the size of an ordinary weight gradient.
+* the clipped sum ``sum_i c_i grad_i``, added in place into a given tensor (the step's noise:
+  ``add_weighted_sum``), from x and c_i g_i directly ("book-keeping", Bu et al. 2023): one
+  product the size of an ordinary weight gradient.
 
 Linear, x (B, T, d_in), g (B, T, d_out), T the product of the middle axes (1 for plain vectors):
     grad_i = g_i^T x_i,  ||grad_i||^2 = <x_i x_i^T, g_i g_i^T>_F  (ghost: B T^2 (d_in + d_out) work,
@@ -187,17 +188,17 @@ def use_ghost(t: int, ghost_width: int, size: int, prefer: str = "memory") -> bo
     return t * ghost_width <= size
 
 
-def _contract(c, grads):
-    """sum_i c_i grads_i."""
-    return torch.tensordot(c.to(grads.dtype), grads, dims=1)
+def add_contraction(out, c, grads):
+    """out += sum_i c_i grads_i."""
+    out.add_(torch.tensordot(c.to(grads.dtype), grads, dims=1))
 
 
 class Rule:
     """How one layer type forms per-example gradients, norms and clipped sums.
 
     ``grad(module, use, name)`` is the per-example gradient of parameter ``name`` (B, *shape);
-    ``sq_norm`` and ``weighted_sum`` default to materialising it (cached in the Use) and are
-    overridden where a cheaper identity exists."""
+    ``sq_norm`` and ``add_weighted_sum`` (``out += sum_i c_i grad_i``) default to materialising
+    it (cached in the Use) and are overridden where a cheaper identity exists."""
 
     params = ("weight", "bias")
 
@@ -218,8 +219,8 @@ class Rule:
     def sq_norm(self, module, use, name, prefer="memory"):
         return _sq(self.cached_grad(module, use, name))
 
-    def weighted_sum(self, module, use, name, c):
-        return _contract(c, self.cached_grad(module, use, name))
+    def add_weighted_sum(self, module, use, name, c, out) -> None:
+        add_contraction(out, c, self.cached_grad(module, use, name))
 
 
 def _record(use_list, x, aux=None) -> Use:
@@ -269,13 +270,14 @@ class LinearRule(Rule):
             return (gram_x * gram_g).sum((1, 2))
         return super().sq_norm(module, use, name, prefer)
 
-    def weighted_sum(self, module, use, name, c):
+    def add_weighted_sum(self, module, use, name, c, out) -> None:
         if name in use.cache:
-            return _contract(c, use.cache[name])
+            return add_contraction(out, c, use.cache[name])
         x, g = self._xg(use)
         c = c if c.dtype == g.dtype else c.to(g.dtype)
         if name == "bias":
-            return c @ (g if g.dim() == 2 else g.sum(1))
+            out.addmv_((g if g.dim() == 2 else g.sum(1)).t(), c)
+            return
         # scale the smaller of x and g by c_i; the product is one ordinary weight gradient
         c = c[:, None] if x.dim() == 2 else c[:, None, None]
         if x.shape[-1] <= g.shape[-1]:
@@ -284,7 +286,7 @@ class LinearRule(Rule):
             g = g * c
         if x.dim() == 3:
             x, g = x.flatten(0, 1), g.flatten(0, 1)
-        return g.t().mm(x)
+        out.addmm_(g.t(), x)
 
 
 class ConvRule(Rule):
@@ -363,16 +365,16 @@ class ConvRule(Rule):
                 return torch.einsum("bglm,bglm->b", gram_x, gram_g)
         return super().sq_norm(module, use, name, prefer)
 
-    def weighted_sum(self, module, use, name, c):
+    def add_weighted_sum(self, module, use, name, c, out) -> None:
         if name in use.cache:
-            return _contract(c, use.cache[name])
+            return add_contraction(out, c, use.cache[name])
         cg = use.g * c.to(use.g.dtype).reshape(-1, *([1] * (use.g.dim() - 1)))
         if name == "bias":
-            return cg.flatten(2).sum((0, 2))
-        weight_grad = torch.ops.aten.convolution_backward(
+            out.add_(cg.flatten(2).sum((0, 2)))
+            return
+        out.add_(torch.ops.aten.convolution_backward(
             cg, use.x, module.weight, None, module.stride, use.aux, module.dilation, False,
-            [0] * (use.x.dim() - 2), module.groups, (False, True, False))[1]
-        return weight_grad
+            [0] * (use.x.dim() - 2), module.groups, (False, True, False))[1])
 
 
 class EmbeddingRule(Rule):
@@ -413,12 +415,12 @@ class EmbeddingRule(Rule):
         same = (k[:, :, None] == k[:, None, :]).to(g.dtype)
         return torch.einsum("bts,bts->b", same, torch.bmm(g, g.transpose(1, 2)))
 
-    def weighted_sum(self, module, use, name, c):
+    def add_weighted_sum(self, module, use, name, c, out) -> None:
         if name in use.cache:
-            return _contract(c, use.cache[name])
+            return add_contraction(out, c, use.cache[name])
         k, g = self._kg(module, use)
         cg = (g * c.to(g.dtype)[:, None, None]).reshape(-1, g.shape[-1])
-        return torch.zeros_like(module.weight).index_add_(0, k.reshape(-1), cg)
+        out.index_add_(0, k.reshape(-1), cg)
 
 
 class LayerNormRule(Rule):

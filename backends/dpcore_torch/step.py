@@ -3,9 +3,12 @@
 Given the engine's per-example squared norms (B, L) and the aggregator's mechanism:
 
 1. factors c_ig = min(1, S_g / ||grad_i restricted to group g||)   (core, dpcore.aggregation)
-2. sums_j = sum_i c_{i, g(j)} grad_ij, by book-keeping from the kept activations/backprops
-3. the aggregator writes the step's sum queries to the ledger, adds N(0, (alpha_j sigma~_g)^2)
-   on the parameters' device and divides by the public expected batch size q n.
+2. the aggregator draws the noise N(0, (alpha_j sigma~_g)^2) on the parameters' device, leaf
+   by leaf as the engine asks for it, and the engine adds the clipped sums
+   sum_i c_{i, g(j)} grad_ij into it in place, by book-keeping from the kept activations and
+   backprops (no sum arrays: :mod:`dpcore.noise`)
+3. the aggregator writes the step's sum queries to the ledger and divides by the public
+   expected batch size q n.
 
 The step's sampling event must be in the ledger first (``aggregator.sample()`` or
 ``aggregator.begin_step()``); :func:`private_grads` records it when ``begin_step=True``.
@@ -42,7 +45,8 @@ def private_grads(engine: PerExampleEngine, aggregator: PrivateAggregator, loss=
             finite = torch.isfinite(sq_norms).all(1)
             if not bool(finite.all()):
                 engine.keep_records(finite)
-        sums = engine.clipped_sums(factors, mechanism.group_index)
+        noisy_sums = aggregator.noise_draws(engine.params)
+        engine.add_clipped_sums(factors, mechanism.group_index, noisy_sums)
     finally:
-        engine.clear()  # free the kept activations and backprops before the noise
-    return aggregator.release_sums(sums, factors=factors)
+        engine.clear()  # free the kept activations and backprops
+    return aggregator.release_noisy_sums(noisy_sums, factors=factors)
