@@ -1,9 +1,9 @@
 """Per-layer rules: per-example gradients, their squared norms and clipped sums from one backward.
 
-An instrumented layer runs its forward through a custom autograd function that keeps its input
-``x`` and, during the ordinary backward pass, the backprop ``g = dL/d(output)``; the function
-returns the input's gradient only, so autograd never forms the (non-private) summed parameter
-gradient. From (x, g) each rule gives, for example i:
+An instrumented layer runs its own functional op with its parameters detached and keeps its
+input ``x`` and, by a hook on its output during the ordinary backward pass, the backprop
+``g = dL/d(output)``; autograd forms the input's gradient only, never the (non-private) summed
+parameter gradient. From (x, g) each rule gives, for example i:
 
 * the per-example gradient (materialised, ``grad``);
 * its squared norm (``sq_norm``), by the ghost-norm identity when that is cheaper;
@@ -24,12 +24,12 @@ LayerNorm / GroupNorm, normalised input xh: grad_weight_i = sum (g_i * xh_i), gr
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.grad import conv1d_input, conv2d_input
 
 
 def keep_rows(t, keep):
@@ -73,93 +73,35 @@ class Use:
         return self.g is not None
 
 
-# --------------------------------------------------------------------------- autograd functions
-# Each returns the input's gradient only (None for parameters), and stores g in the Use.
+# --------------------------------------------------------------------------- instrumentation
+# A layer runs its own functional op with its parameters detached, so the backward pass forms
+# the input's gradient only; a hook on the output keeps the backprop g in the Use.
 
-class _Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, use, x, weight, bias):
-        ctx.use = use
-        ctx.save_for_backward(weight)
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.use.g, ctx.use = g, None  # the graph may outlive the step: keep no reference
-        gx = g.matmul(ctx.saved_tensors[0]) if ctx.needs_input_grad[1] else None
-        return None, gx, None, None
+def _detached(module):
+    """(weight, bias) of ``module``, detached (None for a missing bias)."""
+    bias = module.bias
+    return module.weight.detach(), None if bias is None else bias.detach()
 
 
-class _Conv(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, use, x, weight, bias, stride, padding, dilation, groups):
-        ctx.use, ctx.conf, ctx.shape = use, (stride, padding, dilation, groups), x.shape
-        ctx.save_for_backward(weight)
-        conv = F.conv1d if x.dim() == 3 else F.conv2d
-        return conv(x, weight, bias, stride, padding, dilation, groups)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.use.g, ctx.use = g, None  # the graph may outlive the step: keep no reference
-        gx = None
-        if ctx.needs_input_grad[1]:
-            conv_input = conv1d_input if len(ctx.shape) == 3 else conv2d_input
-            gx = conv_input(ctx.shape, ctx.saved_tensors[0], g, *ctx.conf)
-        return None, gx, None, None, None, None, None, None
+def _keep_backprop(use, g) -> None:
+    use.g = g
 
 
-class _Embedding(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, use, indices, weight, padding_idx, max_norm, norm_type, sparse):
-        ctx.use = use
-        return F.embedding(indices, weight, padding_idx, max_norm, norm_type, False, sparse)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.use.g, ctx.use = g, None  # the graph may outlive the step: keep no reference
-        return None, None, None, None, None, None, None
+def _take_backprop(use, leaf) -> None:
+    use.g, leaf.grad = leaf.grad, None
 
 
-class _LayerNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, use, x, weight, bias, shape, eps):
-        out, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
-        use.aux = (mean, rstd)
-        ctx.use, ctx.shape = use, shape
-        ctx.save_for_backward(x, mean, rstd, weight, bias)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.use.g, ctx.use = g, None  # the graph may outlive the step: keep no reference
-        gx = None
-        if ctx.needs_input_grad[1]:
-            x, mean, rstd, weight, bias = ctx.saved_tensors
-            gx = torch.ops.aten.native_layer_norm_backward(
-                g.contiguous(), x, ctx.shape, mean, rstd, weight, bias, [True, False, False])[0]
-        return None, gx, None, None, None, None
-
-
-class _GroupNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, use, x, weight, bias, groups, eps):
-        n, c = x.shape[0], x.shape[1]
-        hw = math.prod(x.shape[2:])
-        out, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, hw, groups, eps)
-        use.aux = (mean, rstd)
-        ctx.use, ctx.conf = use, (n, c, hw, groups)
-        ctx.save_for_backward(x, mean, rstd, weight)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.use.g, ctx.use = g, None  # the graph may outlive the step: keep no reference
-        gx = None
-        if ctx.needs_input_grad[1]:
-            x, mean, rstd, weight = ctx.saved_tensors
-            gx = torch.ops.aten.native_group_norm_backward(
-                g.contiguous(), x, mean, rstd, weight, *ctx.conf, [True, False, False])[0]
-        return None, gx, None, None, None, None
+def _observed(use, out):
+    """``out``, with its backprop kept in ``use`` by the backward pass. An output that needs
+    no gradient (an embedding's, or a first layer's) is made a leaf that does, and its
+    gradient is taken once accumulated (a hook before accumulation would make autograd copy
+    it)."""
+    if out.requires_grad:
+        out.register_hook(functools.partial(_keep_backprop, use))
+    else:
+        out.requires_grad_()
+        out.register_post_accumulate_grad_hook(functools.partial(_take_backprop, use))
+    return out
 
 
 # --------------------------------------------------------------------------- rules
@@ -241,7 +183,7 @@ class LinearRule(Rule):
 
     def forward(self, module, use_list, args, kwargs):
         (x,) = args
-        return _Linear.apply(_record(use_list, x), x, module.weight, module.bias)
+        return _observed(_record(use_list, x), F.linear(x, *_detached(module)))
 
     def grad(self, module, use, name):
         x, g = self._xg(use)
@@ -317,8 +259,9 @@ class ConvRule(Rule):
             mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
             x = F.pad(x, widths, mode=mode)
         use = _record(use_list, x, aux=padding)
-        return _Conv.apply(use, x, module.weight, module.bias, module.stride, padding,
-                           module.dilation, module.groups)
+        conv = F.conv1d if x.dim() == 3 else F.conv2d
+        return _observed(use, conv(x, *_detached(module), module.stride, padding,
+                                   module.dilation, module.groups))
 
     @staticmethod
     def _unfolded(module, use):
@@ -389,8 +332,8 @@ class EmbeddingRule(Rule):
     def forward(self, module, use_list, args, kwargs):
         (indices,) = args
         use = _record(use_list, indices)
-        return _Embedding.apply(use, indices, module.weight, module.padding_idx,
-                                module.max_norm, module.norm_type, module.sparse)
+        return _observed(use, F.embedding(indices, module.weight.detach(), module.padding_idx,
+                                          module.max_norm, module.norm_type))
 
     @staticmethod
     def _kg(module, use):
@@ -426,9 +369,9 @@ class EmbeddingRule(Rule):
 class LayerNormRule(Rule):
     def forward(self, module, use_list, args, kwargs):
         (x,) = args
-        use = _record(use_list, x)
-        return _LayerNorm.apply(use, x, module.weight, module.bias,
-                                list(module.normalized_shape), module.eps)
+        out, mean, rstd = torch.native_layer_norm(x, list(module.normalized_shape),
+                                                  *_detached(module), module.eps)
+        return _observed(_record(use_list, x, aux=(mean.detach(), rstd.detach())), out)
 
     def grad(self, module, use, name):
         g = use.g
@@ -442,9 +385,11 @@ class LayerNormRule(Rule):
 class GroupNormRule(Rule):
     def forward(self, module, use_list, args, kwargs):
         (x,) = args
-        use = _record(use_list, x)
-        return _GroupNorm.apply(use, x, module.weight, module.bias, module.num_groups,
-                                module.eps)
+        n, c = x.shape[0], x.shape[1]
+        out, mean, rstd = torch.native_group_norm(x, *_detached(module), n, c,
+                                                  math.prod(x.shape[2:]), module.num_groups,
+                                                  module.eps)
+        return _observed(_record(use_list, x, aux=(mean.detach(), rstd.detach())), out)
 
     def grad(self, module, use, name):
         g = use.g.flatten(2)
