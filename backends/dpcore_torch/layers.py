@@ -75,7 +75,7 @@ class Use:
 
 # --------------------------------------------------------------------------- instrumentation
 # A layer runs its own functional op with its parameters detached, so the backward pass forms
-# the input's gradient only; a hook on the output keeps the backprop g in the Use.
+# the input's gradient only, and the backprop g of its output is kept in the Use.
 
 def _detached(module):
     """(weight, bias) of ``module``, detached (None for a missing bias)."""
@@ -87,21 +87,32 @@ def _keep_backprop(use, g) -> None:
     use.g = g
 
 
-def _take_backprop(use, leaf) -> None:
-    use.g, leaf.grad = leaf.grad, None
+class _Tapped(torch.autograd.Function):
+    """``op()``, tied to a parameter (which gets no gradient) so that the backward pass reaches
+    it although no input needs a gradient; the backprop is kept in ``use``."""
+
+    @staticmethod
+    def forward(ctx, use, op, parameter):
+        ctx.use = use
+        return op()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.use.g, ctx.use = g, None  # the graph may outlive the step: keep no reference
+        return None, None, None
 
 
-def _observed(use, out):
-    """``out``, with its backprop kept in ``use`` by the backward pass. An output that needs
-    no gradient (an embedding's, or a first layer's) is made a leaf that does, and its
-    gradient is taken once accumulated (a hook before accumulation would make autograd copy
-    it)."""
-    if out.requires_grad:
+def _observed(use, module, x, op):
+    """``op()``, the layer's op on detached parameters, with its backprop kept in ``use``: by a
+    hook on the output when the input ``x`` needs a gradient, else (a first layer, an
+    embedding) through :class:`_Tapped` (a leaf output would do, but the finished graph, which
+    lives as long as the loss, would keep it and its memory)."""
+    if x.requires_grad:
+        out = op()
         out.register_hook(functools.partial(_keep_backprop, use))
-    else:
-        out.requires_grad_()
-        out.register_post_accumulate_grad_hook(functools.partial(_take_backprop, use))
-    return out
+        return out
+    anchor = next(p for p in module.parameters(recurse=False) if p.requires_grad)
+    return _Tapped.apply(use, op, anchor)
 
 
 # --------------------------------------------------------------------------- rules
@@ -183,7 +194,8 @@ class LinearRule(Rule):
 
     def forward(self, module, use_list, args, kwargs):
         (x,) = args
-        return _observed(_record(use_list, x), F.linear(x, *_detached(module)))
+        return _observed(_record(use_list, x), module, x,
+                         functools.partial(F.linear, x, *_detached(module)))
 
     def grad(self, module, use, name):
         x, g = self._xg(use)
@@ -260,8 +272,8 @@ class ConvRule(Rule):
             x = F.pad(x, widths, mode=mode)
         use = _record(use_list, x, aux=padding)
         conv = F.conv1d if x.dim() == 3 else F.conv2d
-        return _observed(use, conv(x, *_detached(module), module.stride, padding,
-                                   module.dilation, module.groups))
+        return _observed(use, module, x, functools.partial(
+            conv, x, *_detached(module), module.stride, padding, module.dilation, module.groups))
 
     @staticmethod
     def _unfolded(module, use):
@@ -331,9 +343,9 @@ class EmbeddingRule(Rule):
 
     def forward(self, module, use_list, args, kwargs):
         (indices,) = args
-        use = _record(use_list, indices)
-        return _observed(use, F.embedding(indices, module.weight.detach(), module.padding_idx,
-                                          module.max_norm, module.norm_type))
+        return _observed(_record(use_list, indices), module, indices, functools.partial(
+            F.embedding, indices, module.weight.detach(), module.padding_idx, module.max_norm,
+            module.norm_type))
 
     @staticmethod
     def _kg(module, use):
@@ -366,12 +378,21 @@ class EmbeddingRule(Rule):
         out.index_add_(0, k.reshape(-1), cg)
 
 
+def _normalised(use, native, *args):
+    """The output of ``native`` (``torch.native_layer_norm`` or ``native_group_norm``), its
+    statistics (mean, 1/std) kept in ``use``."""
+    out, mean, rstd = native(*args)
+    use.aux = (mean.detach(), rstd.detach())
+    return out
+
+
 class LayerNormRule(Rule):
     def forward(self, module, use_list, args, kwargs):
         (x,) = args
-        out, mean, rstd = torch.native_layer_norm(x, list(module.normalized_shape),
-                                                  *_detached(module), module.eps)
-        return _observed(_record(use_list, x, aux=(mean.detach(), rstd.detach())), out)
+        use = _record(use_list, x)
+        return _observed(use, module, x, functools.partial(
+            _normalised, use, torch.native_layer_norm, x, list(module.normalized_shape),
+            *_detached(module), module.eps))
 
     def grad(self, module, use, name):
         g = use.g
@@ -385,11 +406,10 @@ class LayerNormRule(Rule):
 class GroupNormRule(Rule):
     def forward(self, module, use_list, args, kwargs):
         (x,) = args
-        n, c = x.shape[0], x.shape[1]
-        out, mean, rstd = torch.native_group_norm(x, *_detached(module), n, c,
-                                                  math.prod(x.shape[2:]), module.num_groups,
-                                                  module.eps)
-        return _observed(_record(use_list, x, aux=(mean.detach(), rstd.detach())), out)
+        use = _record(use_list, x)
+        return _observed(use, module, x, functools.partial(
+            _normalised, use, torch.native_group_norm, x, *_detached(module), x.shape[0],
+            x.shape[1], math.prod(x.shape[2:]), module.num_groups, module.eps))
 
     def grad(self, module, use, name):
         g = use.g.flatten(2)

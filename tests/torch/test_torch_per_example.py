@@ -247,3 +247,25 @@ def test_dropped_records_with_nan_or_inf_leave_the_sums_finite(name, prefer):
         want = torch.tensordot(factors, rows, dims=1) / 6
         assert torch.isfinite(got[n]).all(), n
         assert close(got[n], want), n
+
+
+@pytest.mark.parametrize("first", ["linear", "embedding", "conv"])
+def test_layer_outputs_are_not_kept_alive_by_the_finished_graph(first):
+    """A first layer's output (its input needs no gradient) is freed once nothing uses it,
+    although the loss, and so the finished graph, lives on through the optimizer step: the
+    engine keeps only the inputs and backprops it needs, no activation besides."""
+    import weakref
+
+    head = {"linear": nn.Linear(4, 5), "embedding": nn.Embedding(9, 5),
+            "conv": nn.Conv1d(3, 5, 1)}[first]
+    model = nn.Sequential(head, nn.Tanh(), nn.Flatten(), nn.LazyLinear(2))
+    inputs = {"linear": torch.randn(6, 4), "embedding": torch.randint(0, 9, (6, 1)),
+              "conv": torch.randn(6, 3, 1)}[first]
+    model(inputs)  # materialise the lazy layer
+    engine = PerExampleEngine(model)
+    outputs = []
+    head.register_forward_hook(lambda module, args, out: outputs.append(weakref.ref(out)))
+    loss = model(inputs).sum()
+    loss.backward()
+    assert outputs[0]() is None
+    assert engine.sq_norms(list(engine.params)).shape == (6, len(engine.params))
