@@ -154,7 +154,7 @@ class PerExampleEngine:
 
     def _leak_detector(self, leaf: str):
         def detect(grad):
-            if grad is not None:  # the layers' own uses run on detached parameters
+            if grad is not None:  # our layers' functions return None for parameters
                 self._leaked.add(leaf)
             return grad
         return detect

@@ -1,9 +1,9 @@
 """Per-layer rules: per-example gradients, their squared norms and clipped sums from one backward.
 
-An instrumented layer runs its own functional op with its parameters detached and keeps its
-input ``x`` and, by a hook on its output during the ordinary backward pass, the backprop
-``g = dL/d(output)``; autograd forms the input's gradient only, never the (non-private) summed
-parameter gradient. From (x, g) each rule gives, for example i:
+An instrumented layer runs its forward through a custom autograd function that keeps its input
+``x`` and, during the ordinary backward pass, the backprop ``g = dL/d(output)``; the function
+returns the input's gradient only, so autograd never forms the (non-private) summed parameter
+gradient. From (x, g) each rule gives, for example i:
 
 * the per-example gradient (materialised, ``grad``);
 * its squared norm (``sq_norm``), by the ghost-norm identity when that is cheaper;
@@ -24,12 +24,12 @@ LayerNorm / GroupNorm, normalised input xh: grad_weight_i = sum (g_i * xh_i), gr
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.grad import conv1d_input, conv2d_input
 
 
 def keep_rows(t, keep):
@@ -73,46 +73,93 @@ class Use:
         return self.g is not None
 
 
-# --------------------------------------------------------------------------- instrumentation
-# A layer runs its own functional op with its parameters detached, so the backward pass forms
-# the input's gradient only, and the backprop g of its output is kept in the Use.
+# --------------------------------------------------------------------------- autograd functions
+# Each returns the input's gradient only (None for parameters), and stores g in the Use.
 
-def _detached(module):
-    """(weight, bias) of ``module``, detached (None for a missing bias)."""
-    bias = module.bias
-    return module.weight.detach(), None if bias is None else bias.detach()
-
-
-def _keep_backprop(use, g) -> None:
-    use.g = g
-
-
-class _Tapped(torch.autograd.Function):
-    """``op()``, tied to a parameter (which gets no gradient) so that the backward pass reaches
-    it although no input needs a gradient; the backprop is kept in ``use``."""
-
+class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, use, op, parameter):
+    def forward(ctx, use, x, weight, bias):
         ctx.use = use
-        return op()
+        ctx.save_for_backward(weight)
+        return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, g):
         ctx.use.g, ctx.use = g, None  # the graph may outlive the step: keep no reference
-        return None, None, None
+        gx = g.matmul(ctx.saved_tensors[0]) if ctx.needs_input_grad[1] else None
+        return None, gx, None, None
 
 
-def _observed(use, module, x, op):
-    """``op()``, the layer's op on detached parameters, with its backprop kept in ``use``: by a
-    hook on the output when the input ``x`` needs a gradient, else (a first layer, an
-    embedding) through :class:`_Tapped` (a leaf output would do, but the finished graph, which
-    lives as long as the loss, would keep it and its memory)."""
-    if x.requires_grad:
-        out = op()
-        out.register_hook(functools.partial(_keep_backprop, use))
+class _Conv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, use, x, weight, bias, stride, padding, dilation, groups):
+        ctx.use, ctx.conf, ctx.shape = use, (stride, padding, dilation, groups), x.shape
+        ctx.save_for_backward(weight)
+        conv = F.conv1d if x.dim() == 3 else F.conv2d
+        return conv(x, weight, bias, stride, padding, dilation, groups)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.use.g, ctx.use = g, None  # the graph may outlive the step: keep no reference
+        gx = None
+        if ctx.needs_input_grad[1]:
+            conv_input = conv1d_input if len(ctx.shape) == 3 else conv2d_input
+            gx = conv_input(ctx.shape, ctx.saved_tensors[0], g, *ctx.conf)
+        return None, gx, None, None, None, None, None, None
+
+
+class _Embedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, use, indices, weight, padding_idx, max_norm, norm_type, sparse):
+        ctx.use = use
+        return F.embedding(indices, weight, padding_idx, max_norm, norm_type, False, sparse)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.use.g, ctx.use = g, None  # the graph may outlive the step: keep no reference
+        return None, None, None, None, None, None, None
+
+
+class _LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, use, x, weight, bias, shape, eps):
+        out, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
+        use.aux = (mean, rstd)
+        ctx.use, ctx.shape = use, shape
+        ctx.save_for_backward(x, mean, rstd, weight, bias)
         return out
-    anchor = next(p for p in module.parameters(recurse=False) if p.requires_grad)
-    return _Tapped.apply(use, op, anchor)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.use.g, ctx.use = g, None  # the graph may outlive the step: keep no reference
+        gx = None
+        if ctx.needs_input_grad[1]:
+            x, mean, rstd, weight, bias = ctx.saved_tensors
+            gx = torch.ops.aten.native_layer_norm_backward(
+                g.contiguous(), x, ctx.shape, mean, rstd, weight, bias, [True, False, False])[0]
+        return None, gx, None, None, None, None
+
+
+class _GroupNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, use, x, weight, bias, groups, eps):
+        n, c = x.shape[0], x.shape[1]
+        hw = math.prod(x.shape[2:])
+        out, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, hw, groups, eps)
+        use.aux = (mean, rstd)
+        ctx.use, ctx.conf = use, (n, c, hw, groups)
+        ctx.save_for_backward(x, mean, rstd, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.use.g, ctx.use = g, None  # the graph may outlive the step: keep no reference
+        gx = None
+        if ctx.needs_input_grad[1]:
+            x, mean, rstd, weight = ctx.saved_tensors
+            gx = torch.ops.aten.native_group_norm_backward(
+                g.contiguous(), x, mean, rstd, weight, *ctx.conf, [True, False, False])[0]
+        return None, gx, None, None, None, None
 
 
 # --------------------------------------------------------------------------- rules
@@ -194,8 +241,7 @@ class LinearRule(Rule):
 
     def forward(self, module, use_list, args, kwargs):
         (x,) = args
-        return _observed(_record(use_list, x), module, x,
-                         functools.partial(F.linear, x, *_detached(module)))
+        return _Linear.apply(_record(use_list, x), x, module.weight, module.bias)
 
     def grad(self, module, use, name):
         x, g = self._xg(use)
@@ -271,9 +317,8 @@ class ConvRule(Rule):
             mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
             x = F.pad(x, widths, mode=mode)
         use = _record(use_list, x, aux=padding)
-        conv = F.conv1d if x.dim() == 3 else F.conv2d
-        return _observed(use, module, x, functools.partial(
-            conv, x, *_detached(module), module.stride, padding, module.dilation, module.groups))
+        return _Conv.apply(use, x, module.weight, module.bias, module.stride, padding,
+                           module.dilation, module.groups)
 
     @staticmethod
     def _unfolded(module, use):
@@ -343,9 +388,9 @@ class EmbeddingRule(Rule):
 
     def forward(self, module, use_list, args, kwargs):
         (indices,) = args
-        return _observed(_record(use_list, indices), module, indices, functools.partial(
-            F.embedding, indices, module.weight.detach(), module.padding_idx, module.max_norm,
-            module.norm_type))
+        use = _record(use_list, indices)
+        return _Embedding.apply(use, indices, module.weight, module.padding_idx,
+                                module.max_norm, module.norm_type, module.sparse)
 
     @staticmethod
     def _kg(module, use):
@@ -378,21 +423,12 @@ class EmbeddingRule(Rule):
         out.index_add_(0, k.reshape(-1), cg)
 
 
-def _normalised(use, native, *args):
-    """The output of ``native`` (``torch.native_layer_norm`` or ``native_group_norm``), its
-    statistics (mean, 1/std) kept in ``use``."""
-    out, mean, rstd = native(*args)
-    use.aux = (mean.detach(), rstd.detach())
-    return out
-
-
 class LayerNormRule(Rule):
     def forward(self, module, use_list, args, kwargs):
         (x,) = args
         use = _record(use_list, x)
-        return _observed(use, module, x, functools.partial(
-            _normalised, use, torch.native_layer_norm, x, list(module.normalized_shape),
-            *_detached(module), module.eps))
+        return _LayerNorm.apply(use, x, module.weight, module.bias,
+                                list(module.normalized_shape), module.eps)
 
     def grad(self, module, use, name):
         g = use.g
@@ -407,9 +443,8 @@ class GroupNormRule(Rule):
     def forward(self, module, use_list, args, kwargs):
         (x,) = args
         use = _record(use_list, x)
-        return _observed(use, module, x, functools.partial(
-            _normalised, use, torch.native_group_norm, x, *_detached(module), x.shape[0],
-            x.shape[1], math.prod(x.shape[2:]), module.num_groups, module.eps))
+        return _GroupNorm.apply(use, x, module.weight, module.bias, module.num_groups,
+                                module.eps)
 
     def grad(self, module, use, name):
         g = use.g.flatten(2)
