@@ -77,16 +77,23 @@ class Use:
 # Each returns the input's gradient only (None for parameters), and stores g in the Use.
 
 class _Linear(torch.autograd.Function):
+    """On x (B, ..., d_in) flattened to (N, d_in): the product is returned as the matrix it is
+    and reshaped outside (F.linear would return a view made inside the function, which autograd
+    forbids modifying in place, e.g. by a ReLU(inplace=True))."""
+
     @staticmethod
     def forward(ctx, use, x, weight, bias):
-        ctx.use = use
+        ctx.use, ctx.shape = use, x.shape
         ctx.save_for_backward(weight)
-        return F.linear(x, weight, bias)
+        return F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
 
     @staticmethod
     def backward(ctx, g):
-        ctx.use.g, ctx.use = g, None  # the graph may outlive the step: keep no reference
-        gx = g.matmul(ctx.saved_tensors[0]) if ctx.needs_input_grad[1] else None
+        lead = ctx.shape[:-1]
+        ctx.use.g, ctx.use = g.reshape(*lead, g.shape[-1]), None  # keep no reference: the
+        gx = None                                                 # graph may outlive the step
+        if ctx.needs_input_grad[1]:
+            gx = g.mm(ctx.saved_tensors[0]).reshape(ctx.shape)
         return None, gx, None, None
 
 
@@ -241,7 +248,8 @@ class LinearRule(Rule):
 
     def forward(self, module, use_list, args, kwargs):
         (x,) = args
-        return _Linear.apply(_record(use_list, x), x, module.weight, module.bias)
+        out = _Linear.apply(_record(use_list, x), x, module.weight, module.bias)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
 
     def grad(self, module, use, name):
         x, g = self._xg(use)

@@ -53,7 +53,8 @@ class Image(nn.Module):
 
 class Tokens(nn.Module):
     """Linear on sequences on both sides of the ghost/materialise threshold T (d_in + d_out)
-    < d_in d_out, and an embedding tied to the output layer (one Parameter, two modules)."""
+    < d_in d_out, an in-place op on a sequence Linear's output, and an embedding tied to the
+    output layer (one Parameter, two modules)."""
 
     def __init__(self):
         super().__init__()
@@ -63,7 +64,7 @@ class Tokens(nn.Module):
         self.head.weight = self.emb.weight
 
     def forward(self, k):
-        h = torch.tanh(self.short(self.emb(k)))            # (B, 4, 16)
+        h = self.short(self.emb(k)).tanh_()                # (B, 4, 16), in place
         long = h.repeat(1, 3, 1)                           # (B, 12, 16): T = 12, materialised
         return self.head(torch.cat([h, long], 1)).mean(1)
 
