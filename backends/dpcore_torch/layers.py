@@ -77,7 +77,7 @@ class Use:
 # Each returns the input's gradient only (None for parameters), and stores g in the Use.
 
 class _Linear(torch.autograd.Function):
-    """On x (B, ..., d_in) flattened to (N, d_in): the product is returned as the matrix it is
+    """On x (B, ..., d_in), flattened to a matrix: the product is returned as the matrix it is
     and reshaped outside (F.linear would return a view made inside the function, which autograd
     forbids modifying in place, e.g. by a ReLU(inplace=True))."""
 
@@ -85,15 +85,15 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, use, x, weight, bias):
         ctx.use, ctx.shape = use, x.shape
         ctx.save_for_backward(weight)
-        return F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        return F.linear(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), weight, bias)
 
     @staticmethod
     def backward(ctx, g):
-        lead = ctx.shape[:-1]
-        ctx.use.g, ctx.use = g.reshape(*lead, g.shape[-1]), None  # keep no reference: the
-        gx = None                                                 # graph may outlive the step
-        if ctx.needs_input_grad[1]:
-            gx = g.mm(ctx.saved_tensors[0]).reshape(ctx.shape)
+        shape = ctx.shape
+        if len(shape) != 2:
+            g = g.reshape(*shape[:-1], g.shape[-1])
+        ctx.use.g, ctx.use = g, None  # the graph may outlive the step: keep no reference
+        gx = g.matmul(ctx.saved_tensors[0]) if ctx.needs_input_grad[1] else None
         return None, gx, None, None
 
 
