@@ -47,7 +47,7 @@ class NoiseDraws(Mapping):
         for leaf in mechanism.leaves:
             t = like[leaf]
             size = self._sizes[leaf] = math.prod(t.shape)
-            if size < SHARED_DRAW:  # (NumPy < 2 arrays have no .device)
+            if size < SHARED_DRAW:  # NumPy < 2 arrays have no .device (all on the CPU)
                 kind = kinds.setdefault((t.dtype, getattr(t, "device", None),
                                          self._stds[leaf]), [])
                 kind.append(leaf)
