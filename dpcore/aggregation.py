@@ -198,7 +198,7 @@ def noisy_average(sums: Mapping[str, object], mechanism: Mechanism, rng,
             count = sum(sizes)
             rng, noisy = standard_normal(rng, (count,), parts[0])
             if count >= PER_LEAF_ADD * len(parts) and is_writeable_array(noisy):
-                for piece, part, std in zip(_pieces(noisy, sizes), parts, leaf_stds):
+                for piece, part, std in zip(pieces(noisy, sizes), parts, leaf_stds):
                     piece *= std  # in place: a view of the draw
                     piece += part
             else:
@@ -209,12 +209,12 @@ def noisy_average(sums: Mapping[str, object], mechanism: Mechanism, rng,
                                         for part, s in zip(parts, leaf_stds)])
                 noisy += parts[0] if len(parts) == 1 else xp.concat(parts)
             noisy /= divisor
-        for leaf, total, piece in zip(leaves, totals, _pieces(noisy, sizes)):
+        for leaf, total, piece in zip(leaves, totals, pieces(noisy, sizes)):
             out[leaf] = piece if total.ndim == 1 else xp.reshape(piece, total.shape)
     return rng, out
 
 
-def _pieces(flat, sizes):
+def pieces(flat, sizes):
     """Consecutive slices of ``flat`` of the given sizes."""
     ends = list(itertools.accumulate(sizes))
     return [flat[end - size:end] for size, end in zip(sizes, ends)]

@@ -17,13 +17,12 @@ every leaf gets its noise, used or not.
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Iterator, Mapping
 
 from array_api_compat import device, is_writeable_array
 
-from .aggregation import leaf_noise_stds
+from .aggregation import leaf_noise_stds, pieces
 from .queries import Mechanism
 
 SHARED_DRAW = 2 ** 14  # leaves below this many values share one draw
@@ -95,8 +94,7 @@ class NoiseDraws(Mapping):
         if leaf not in self._shared:
             self._buffers[leaf] = base
             return
-        for j, size, end in zip(leaves, sizes, itertools.accumulate(sizes)):
-            piece = base[end - size:end]
+        for j, piece in zip(leaves, pieces(base, sizes)):
             shape = self._like[j].shape
             self._buffers[j] = piece if len(shape) == 1 else xp.reshape(piece, tuple(shape))
 
