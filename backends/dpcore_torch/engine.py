@@ -3,7 +3,8 @@ pass yields per-example squared norms (B, L) and clipped sums for every trainabl
 
 Every trainable parameter (a *leaf*, named as in ``module.named_parameters()``) is owned by a
 *unit*: a layer with a rule (:mod:`dpcore_torch.layers`: Linear, Conv1d/2d, Embedding, LayerNorm,
-GroupNorm) or a fallback module (:mod:`dpcore_torch.fallback`, ``torch.func``). A leaf used once
+GroupNorm; :mod:`dpcore_torch.recurrent`: RNN, GRU, LSTM) or a fallback module
+(:mod:`dpcore_torch.fallback`, ``torch.func``). A leaf used once
 takes its rule's cheapest norm (ghost or materialised) and book-keeping sum; a leaf used several
 times in a step (tied weights, a layer called twice) has its per-example gradient formed as the
 sum of the uses' contributions, grad_i = sum_u grad_i^(u), before any norm is taken.
@@ -22,6 +23,7 @@ from torch import nn
 
 from .fallback import FallbackUnit, replaying
 from .layers import PREFERENCES, RULES, Rule, add_contraction
+from .recurrent import RECURRENT_RULES
 
 MODES = ("auto", "vmap")
 REDUCTIONS = ("mean", "sum")
@@ -127,7 +129,7 @@ class PerExampleEngine:
     # ------------------------------------------------------------------ instrumentation
     def _walk(self, module: nn.Module, prefix: str) -> None:
         own = {k: p for k, p in module.named_parameters(recurse=False) if p.requires_grad}
-        rule = RULES.get(type(module))
+        rule = RULES.get(type(module)) or RECURRENT_RULES.get(type(module))
         if rule is not None and own:
             for attr in own:
                 rule.check(module, prefix.rstrip(".") or "<root>")

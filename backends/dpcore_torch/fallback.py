@@ -146,5 +146,12 @@ class FallbackUnit:
         dims = [None if g is None else 0 for g in call.g]
         with torch.no_grad(), warnings.catch_warnings():  # the result is data, no graph
             warnings.filterwarnings("ignore", "There is a performance drop")  # expected here
-            call.cache = vmap(grad(inner), in_dims=(None, 0, dims))(params, tensors, call.g)
+            try:
+                call.cache = vmap(grad(inner), in_dims=(None, 0, dims))(params, tensors, call.g)
+            except RuntimeError as error:
+                raise RuntimeError(
+                    f"torch.func could not form per-example gradients of "
+                    f"{type(self.module).__name__} ({error}). Layers with a dpcore rule (Linear, "
+                    f"Conv1d/2d, Embedding, LayerNorm, GroupNorm, RNN, GRU, LSTM) need "
+                    f"mode='auto'; any other layer must run under torch.func.vmap") from error
         return call.cache

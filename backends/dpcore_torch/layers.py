@@ -207,8 +207,6 @@ class Rule:
     ``sq_norm`` and ``add_weighted_sum`` (``out += sum_i c_i grad_i``) default to materialising
     it (cached in the Use) and are overridden where a cheaper identity exists."""
 
-    params = ("weight", "bias")
-
     def check(self, module: nn.Module, name: str) -> None:
         """Raise if ``module``'s configuration makes per-example gradients undefined."""
 
@@ -386,8 +384,6 @@ class ConvRule(Rule):
 
 
 class EmbeddingRule(Rule):
-    params = ("weight",)
-
     def check(self, module, name):
         if module.scale_grad_by_freq:
             raise ValueError(f"Embedding {name!r} has scale_grad_by_freq=True, which scales each "

@@ -1,0 +1,228 @@
+"""nn.RNN, nn.GRU and nn.LSTM: per-example gradients through their Linear maps.
+
+``torch.func`` cannot vmap PyTorch's fused recurrent kernels, so the recurrent rule runs the
+layer's recurrence itself, with the module's own parameters and PyTorch's cell formulas, and
+every parameter enters through a Linear map:
+
+    input map       a_t = W_ih x_t + b_ih        (all t at once: a sequence Linear)
+    recurrent map   r_t = W_hh h_{t-1} + b_hh    (one step at a time)
+    projection      h_t = W_hr m_t               (LSTM with ``proj_size``)
+
+    RNN   h_t = act(a_t + r_t)
+    LSTM  i, f, u, o = sigma, sigma, tanh, sigma of the four chunks of a_t + r_t;
+          c_t = f c_{t-1} + i u;  m_t = o tanh(c_t);  h_t = m_t, or W_hr m_t
+    GRU   (a^r, a^z, a^n), (r^r, r^z, r^n) the chunks of a_t, r_t;  s = sigma(a^r + r^r),
+          z = sigma(a^z + r^z), n = tanh(a^n + s r^n);  h_t = (1 - z) n + z h_{t-1}
+
+Each map keeps its inputs and, from the one ordinary backward pass, the backprops of its
+outputs, stacked over the T steps: per example a Linear over T positions, so its per-example
+gradient sum_t g_t u_t^T, its (ghost) norm and its book-keeping sum are those of
+:class:`dpcore_torch.layers.LinearRule`. A layer with L layers and D directions has L D input
+maps, L D recurrent maps and, with ``proj_size``, L D projections; parameter
+``weight_hh_l1_reverse`` is the weight of map ``hh_l1_reverse``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.rnn import PackedSequence
+
+from .layers import LinearRule, Rule, Use, _Linear
+
+_LINEAR = LinearRule()
+
+
+class _Steps:
+    """A Linear map applied one step at a time: the inputs of each step and, once the backward
+    pass has reached them, the backprops of its outputs."""
+
+    __slots__ = ("xs", "gs")
+
+    def __init__(self):
+        self.xs, self.gs = [], []
+
+    def apply(self, u, weight, bias):
+        self.xs.append(u.detach())
+        self.gs.append(None)
+        return _StepLinear.apply(self, len(self.xs) - 1, u, weight, bias)
+
+    def stacked(self) -> Use:
+        """One :class:`Use` with x (B, T, d_in) and g (B, T, d_out); steps the backward pass
+        did not reach contribute zero backprop; g is None if it reached none."""
+        use = Use(torch.stack(self.xs, 1))
+        reached = [g for g in self.gs if g is not None]
+        if reached:
+            zero = torch.zeros_like(reached[0])
+            use.g = torch.stack([zero if g is None else g for g in self.gs], 1)
+        return use
+
+
+class _StepLinear(torch.autograd.Function):
+    """F.linear for one step; its backward stores the step's backprop and returns the input's
+    gradient only (None for the parameters, as every instrumented layer does)."""
+
+    @staticmethod
+    def forward(ctx, steps, k, u, weight, bias):
+        ctx.steps, ctx.k = steps, k
+        ctx.save_for_backward(weight)
+        return F.linear(u, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.steps.gs[ctx.k], ctx.steps = g, None  # the graph may outlive the step
+        gu = g.matmul(ctx.saved_tensors[0]) if ctx.needs_input_grad[2] else None
+        return None, None, gu, None, None
+
+
+class RecurrentCall:
+    """One call of a recurrent layer: its maps by name (``ih_l0``, ``hh_l0``, ...), each a
+    :class:`Use` (input maps) or :class:`_Steps` (stacked into a Use on first read)."""
+
+    __slots__ = ("maps", "batch")
+
+    def __init__(self, batch: int):
+        self.maps, self.batch = {}, batch
+
+    def part(self, name: str) -> Use:
+        use = self.maps[name]
+        if isinstance(use, _Steps):
+            use = self.maps[name] = use.stacked()
+        return use
+
+    def release(self) -> None:
+        for use in self.maps.values():
+            if isinstance(use, Use):
+                use.release()
+        self.maps = {}
+
+    def keep_rows(self, keep) -> None:
+        for name in list(self.maps):
+            self.part(name).keep_rows(keep)
+
+    @property
+    def batch_size(self) -> int:
+        return self.batch
+
+    @property
+    def reached(self) -> bool:
+        return any(use.g is not None if isinstance(use, Use) else any(
+            g is not None for g in use.gs) for use in self.maps.values())
+
+
+class RecurrentRule(Rule):
+    """nn.RNN, nn.GRU and nn.LSTM (``batch_first=True``) on (B, T, d) tensors; parameter
+    ``weight_hh_l0_reverse`` is the weight of map ``hh_l0_reverse``."""
+
+    def forward(self, module, use_list, args, kwargs):
+        x, hx = _inputs(module, args, kwargs)
+        call = RecurrentCall(x.shape[0])
+        use_list.append(call)
+        return _run(module, call, x, hx)
+
+    @staticmethod
+    def _part(use, attr):
+        """(``weight`` or ``bias``, the map's Use) of parameter ``attr``."""
+        kind, name = attr.split("_", 1)
+        return kind, use.part(name)
+
+    def grad(self, module, use, name):
+        kind, part = self._part(use, name)
+        if part.g is None:
+            p = getattr(module, name)
+            return p.new_zeros((use.batch, *p.shape))
+        return _LINEAR.cached_grad(module, part, kind)
+
+    cached_grad = grad  # cached in the map's Use
+
+    def sq_norm(self, module, use, name, prefer="memory"):
+        kind, part = self._part(use, name)
+        if part.g is None:
+            return getattr(module, name).new_zeros(use.batch)
+        return _LINEAR.sq_norm(module, part, kind, prefer)
+
+    def add_weighted_sum(self, module, use, name, c, out) -> None:
+        kind, part = self._part(use, name)
+        if part.g is not None:
+            _LINEAR.add_weighted_sum(module, part, kind, c, out)
+
+
+def _inputs(module, args, kwargs):
+    """(x (B, T, d), initial state or None) from the call's arguments."""
+    names = ("input", "hx")
+    bound = dict(zip(names, args), **kwargs)
+    x, hx = bound.get("input"), bound.get("hx")
+    kind = type(module).__name__
+    if isinstance(x, PackedSequence):
+        raise TypeError(f"{kind}: dpcore's per-example gradients need a padded (batch, time, "
+                        f"feature) tensor, not a PackedSequence; pad the sequences "
+                        f"(nn.utils.rnn.pad_packed_sequence(..., batch_first=True)) and mask "
+                        f"the padded steps in the loss")
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] == 0:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{kind} got input {shape}; dpcore needs a batched (batch, time, "
+                         f"feature) tensor (batch_first=True) with at least one step")
+    return x, hx
+
+
+def _run(module, call: RecurrentCall, x, hx):
+    """The module's forward, (output, h_n) or (output, (h_n, c_n)), through recorded maps."""
+    lstm, gru = isinstance(module, nn.LSTM), isinstance(module, nn.GRU)
+    layers, dirs = module.num_layers, 2 if module.bidirectional else 1
+    b, steps = x.shape[0], x.shape[1]
+    proj = getattr(module, "proj_size", 0)
+    if hx is None:
+        h0 = x.new_zeros(layers * dirs, b, proj or module.hidden_size)
+        c0 = x.new_zeros(layers * dirs, b, module.hidden_size) if lstm else None
+    else:
+        h0, c0 = hx if lstm else (hx, None)
+    h_n, c_n = [], []
+    for layer in range(layers):
+        outputs = []
+        for direction in range(dirs):
+            suffix = f"_l{layer}" + ("_reverse" if direction else "")
+            param = lambda name: getattr(module, name + suffix, None)  # noqa: E731
+            use = Use(x.detach())
+            call.maps["ih" + suffix] = use
+            w_ih = param("weight_ih")
+            a = _Linear.apply(use, x, w_ih, param("bias_ih")).reshape(b, steps, w_ih.shape[0])
+            hh = call.maps["hh" + suffix] = _Steps()
+            hr = call.maps["hr" + suffix] = _Steps() if proj else None
+            state = h0[layer * dirs + direction], (c0[layer * dirs + direction] if lstm else None)
+            ys = [None] * steps
+            for t in (reversed(range(steps)) if direction else range(steps)):
+                r = hh.apply(state[0], param("weight_hh"), param("bias_hh"))
+                state = _cell(module, a[:, t], r, state, lstm, gru)
+                if hr is not None:
+                    state = hr.apply(state[0], param("weight_hr"), None), state[1]
+                ys[t] = state[0]
+            outputs.append(torch.stack(ys, 1))
+            h_n.append(state[0])
+            c_n.append(state[1])
+        x = outputs[0] if dirs == 1 else torch.cat(outputs, 2)
+        if module.dropout and module.training and layer < layers - 1:
+            x = F.dropout(x, module.dropout, training=True)
+    h_n = torch.stack(h_n)
+    return x, ((h_n, torch.stack(c_n)) if lstm else h_n)
+
+
+def _cell(module, a, r, state, lstm, gru):
+    """One step of PyTorch's cell: (h, c) from the input and recurrent maps' outputs."""
+    h, c = state
+    if lstm:
+        i, f, u, o = (a + r).chunk(4, 1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(u)
+        return torch.sigmoid(o) * torch.tanh(c), c
+    if gru:
+        (ar, az, an), (rr, rz, rn) = a.chunk(3, 1), r.chunk(3, 1)
+        s, z = torch.sigmoid(ar + rr), torch.sigmoid(az + rz)
+        n = torch.tanh(an + s * rn)
+        return (1 - z) * n + z * h, None
+    act = torch.tanh if module.nonlinearity == "tanh" else torch.relu
+    return act(a + r), None
+
+
+#: Exact module types with the recurrent rule.
+RECURRENT_RULES: dict[type, Rule] = {
+    nn.RNN: RecurrentRule(), nn.GRU: RecurrentRule(), nn.LSTM: RecurrentRule()}

@@ -1,0 +1,181 @@
+"""nn.RNN, nn.GRU and nn.LSTM: the recurrent rule's outputs, per-example gradients, norms and
+clipped sums against the unmodified layer (PyTorch's fused kernels) run one example at a time
+in float64."""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from dpcore_torch import PerExampleEngine, make_private  # noqa: E402
+
+from test_torch_per_example import close, oracle  # noqa: E402
+
+D_IN, STEPS, CLASSES = 3, 5, 3
+
+LAYERS = {
+    "rnn-tanh": lambda: nn.RNN(D_IN, 4, batch_first=True),
+    "rnn-relu-2-bidirectional-no-bias": lambda: nn.RNN(
+        D_IN, 4, num_layers=2, nonlinearity="relu", bidirectional=True, bias=False,
+        batch_first=True),
+    "gru-2-bidirectional": lambda: nn.GRU(D_IN, 4, num_layers=2, bidirectional=True,
+                                          batch_first=True),
+    "lstm": lambda: nn.LSTM(D_IN, 4, batch_first=True),
+    "lstm-proj-2-bidirectional": lambda: nn.LSTM(D_IN, 5, num_layers=2, proj_size=2,
+                                                 bidirectional=True, batch_first=True),
+}
+
+
+class Classifier(nn.Module):
+    """A recurrent layer whose initial state comes from the data through a Linear (so the
+    state's gradient flows on), read through its outputs and its final state."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.rnn = layer
+        dirs = 2 if layer.bidirectional else 1
+        out = (layer.proj_size or layer.hidden_size) if isinstance(layer, nn.LSTM) \
+            else layer.hidden_size
+        self.init = nn.Linear(D_IN, layer.num_layers * dirs * out)
+        self.head = nn.Linear(dirs * out + out, CLASSES)
+
+    def forward(self, x):
+        rnn = self.rnn
+        layers = rnn.num_layers * (2 if rnn.bidirectional else 1)
+        h0 = torch.tanh(self.init(x[:, 0])).reshape(x.shape[0], layers, self.init.out_features // layers)
+        h0 = h0.transpose(0, 1)
+        h0 = h0.contiguous()
+        if isinstance(rnn, nn.LSTM):
+            h0 = h0, torch.zeros(layers, x.shape[0], rnn.hidden_size, dtype=x.dtype)
+        out, state = rnn(x, h0)
+        h_n = state[0] if isinstance(state, tuple) else state
+        return self.head(torch.cat([out.mean(1), h_n[-1]], 1))
+
+
+class FirstOutput(nn.Module):
+    """Reads only the first output of a one-way GRU."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.head = nn.GRU(D_IN, 4, batch_first=True), nn.Linear(4, CLASSES)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, 0])
+
+
+def batch(size, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(size, STEPS, D_IN, generator=gen, dtype=torch.float64),
+            torch.randint(0, CLASSES, (size,), generator=gen))
+
+
+def engine_after_backward(model, x, y, reduction, prefer="memory"):
+    engine = PerExampleEngine(model, loss_reduction=reduction, prefer=prefer)
+    model.zero_grad()
+    F.cross_entropy(model(x), y, reduction=reduction).backward()
+    return engine
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+@pytest.mark.parametrize("size", [0, 1, 6])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_per_example_grads_norms_and_sums_match_the_fused_layer(layer, size, reduction):
+    torch.manual_seed(1)
+    model = Classifier(LAYERS[layer]()).double()
+    x, y = batch(size, seed=size)
+    plain = copy.deepcopy(model)
+    engine = engine_after_backward(model, x, y, reduction)
+    names = list(engine.params)
+    assert any(".weight_hh_l0" in n for n in names)
+    got = engine.per_example_grads()
+    norms = engine.sq_norms(names)
+    assert norms.shape == (size, len(names))
+    if not size:
+        assert all(got[n].shape == (0, *engine.params[n].shape) for n in names)
+        return
+    expected = oracle(plain, x, y)
+    for n in names:
+        assert close(got[n], expected[n]), n
+    assert close(norms, torch.stack([expected[n].flatten(1).pow(2).sum(1) for n in names], 1))
+    factors = torch.rand(size, 2, dtype=torch.float64)
+    groups = {n: i % 2 for i, n in enumerate(names)}
+    sums = engine.clipped_sums(factors, groups)
+    for n in names:
+        want = torch.einsum("b,b...->...", factors[:, groups[n]], expected[n])
+        assert close(sums[n], want), n
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_outputs_and_final_states_equal_the_fused_layer(layer):
+    torch.manual_seed(2)
+    rnn = LAYERS[layer]().double()
+    plain = copy.deepcopy(rnn)
+    engine = PerExampleEngine(rnn)
+    x, _ = batch(4)
+    got, want = rnn(x), plain(x)
+    flat = lambda out: [out[0], *(out[1] if isinstance(out[1], tuple) else (out[1],))]  # noqa
+    for a, b in zip(flat(got), flat(want)):
+        assert a.shape == b.shape and close(a, b)
+    engine.detach()
+
+
+@pytest.mark.parametrize("prefer", ["memory", "time"])
+def test_steps_the_loss_never_reaches_contribute_zero(prefer):
+    """Only the first output of a one-way GRU is used: the later steps' recurrent maps get no
+    backprop at all (ghost norm or materialised gradient alike)."""
+    torch.manual_seed(3)
+    model = FirstOutput().double()
+    x, y = batch(5)
+    expected = oracle(copy.deepcopy(model), x, y)
+    engine = engine_after_backward(model, x, y, "sum", prefer)
+    got = engine.per_example_grads()
+    names = list(engine.params)
+    for n in names:
+        assert close(got[n], expected[n]), n
+    assert close(engine.sq_norms(names),
+                 torch.stack([expected[n].flatten(1).pow(2).sum(1) for n in names], 1))
+
+
+def test_packed_sequences_and_unbatched_inputs_are_refused_with_a_fix():
+    rnn = nn.LSTM(D_IN, 4, batch_first=True)
+    engine = PerExampleEngine(rnn)
+    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(2, 3, D_IN), [3, 2],
+                                               batch_first=True)
+    with pytest.raises(TypeError, match="pad_packed_sequence"):
+        rnn(packed)
+    with pytest.raises(ValueError, match=r"\(3, 3\).*batch_first=True"):
+        rnn(torch.randn(3, D_IN))
+    engine.detach()
+
+
+def test_zero_noise_and_a_large_clip_give_the_non_private_lstm_step():
+    torch.manual_seed(4)
+    model = Classifier(nn.LSTM(D_IN, 6, num_layers=2, batch_first=True))
+    twin = copy.deepcopy(model)
+    x, y = batch(8, seed=9)
+    x = x.float()
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, twin))
+    loader = DataLoader(TensorDataset(x, y), batch_size=8)  # q = 1
+    model, opt, _ = make_private(model, opt, loader, noise_multiplier=0.0, max_grad_norm=1e6,
+                                 seed=0)
+    for _ in range(3):
+        for m, o in ((model, opt), (twin, twin_opt)):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+    for p, t in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, t, rtol=1e-5, atol=1e-6)
+
+
+def test_whole_model_vmap_of_a_fused_lstm_points_to_mode_auto():
+    model = FirstOutput().double()
+    model.rnn = nn.LSTM(D_IN, 4, batch_first=True).double()
+    engine = PerExampleEngine(model, mode="vmap")
+    x, y = batch(3)
+    F.cross_entropy(model(x), y, reduction="sum").backward()
+    with pytest.raises(RuntimeError, match="mode='auto'"):
+        engine.sq_norms(list(engine.params))
