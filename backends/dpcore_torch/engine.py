@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .fallback import FallbackUnit, replaying
-from .layers import PREFERENCES, RULES, Rule, add_contraction
+from .layers import PREFERENCES, RULES, Rule, add_contraction, keep_rows
 from .recurrent import RECURRENT_RULES
 
 MODES = ("auto", "vmap")
@@ -118,6 +118,7 @@ class PerExampleEngine:
         self.units: list = []
         self._handles = []
         self._leaked: set[str] = set()
+        self._summed: dict[str, torch.Tensor] = {}  # leaves used several times: sum of uses
         if mode == "vmap":
             self._add_fallback(module, recurse=True, prefix="")
         else:
@@ -176,6 +177,7 @@ class PerExampleEngine:
                 call.release()
             unit.calls.clear()
         self._leaked.clear()
+        self._summed.clear()
 
     # ------------------------------------------------------------------ per-step results
     @property
@@ -208,13 +210,25 @@ class PerExampleEngine:
         return float(batch) if self.loss_reduction == "mean" and batch > 0 else 1.0
 
     @staticmethod
-    def _grad(unit, call, key):
+    def _grad(unit, call, key, cached=True):
         if isinstance(unit, FallbackUnit):
-            return unit.grads(call)[key]
-        return unit.rule.cached_grad(unit.module, call, key)
+            return unit.grads(call)[key]  # one vmap gives all of the call's parameters
+        if cached:
+            return unit.rule.cached_grad(unit.module, call, key)
+        return unit.rule.grad(unit.module, call, key)
 
-    def _summed_grad(self, uses):
-        return sum(self._grad(*use) for use in uses)
+    def _summed_grad(self, leaf, uses):
+        """The per-example gradient of ``leaf``: one use's (cached in the use), or the sum over
+        several uses (formed once per step and kept here, not per use: a cell called at every
+        step of a sequence would otherwise keep T per-example gradients)."""
+        if len(uses) == 1:
+            return self._grad(*uses[0])
+        if leaf not in self._summed:
+            total = self._grad(*uses[0], cached=False) + self._grad(*uses[1], cached=False)
+            for use in uses[2:]:
+                total.add_(self._grad(*use, cached=False))
+            self._summed[leaf] = total
+        return self._summed[leaf]
 
     def batch_size(self) -> int:
         return self._contributions()[1]
@@ -226,7 +240,7 @@ class PerExampleEngine:
         out = {}
         for leaf, uses in contributions.items():
             p = self.params[leaf]
-            out[leaf] = (self._summed_grad(uses) * scale if uses
+            out[leaf] = (self._summed_grad(leaf, uses) * scale if uses
                          else p.new_zeros((batch, *p.shape)))
         return out
 
@@ -243,7 +257,7 @@ class PerExampleEngine:
                 unit, call, key = uses[0]
                 cols.append(unit.rule.sq_norm(unit.module, call, key, self.prefer))
             else:
-                g = self._summed_grad(uses)
+                g = self._summed_grad(leaf, uses)
                 cols.append(g.flatten(1).pow(2).sum(1))
         if not cols:
             raise ValueError("no leaves given")
@@ -258,6 +272,7 @@ class PerExampleEngine:
         for unit in self.units:
             for call in unit.calls:
                 call.keep_rows(keep)
+        self._summed = {leaf: keep_rows(g, keep) for leaf, g in self._summed.items()}
 
     def clipped_sums(self, factors, groups: Mapping[str, int]) -> dict[str, torch.Tensor]:
         """sum_i factors[i, groups[leaf]] * grad_i for every leaf: the book-keeping sums
@@ -295,7 +310,8 @@ class PerExampleEngine:
                 unit, call, key = uses[0]
                 unit.rule.add_weighted_sum(unit.module, call, key, c, out[leaf])
             else:
-                add_contraction(out[leaf], c, self._summed_grad(uses))
+                add_contraction(out[leaf], c, self._summed_grad(leaf, uses))
+                self._summed.pop(leaf, None)
             for _, call, _ in uses:  # release a call once all its parameters are summed
                 pending[call] -= 1
                 if not pending[call]:

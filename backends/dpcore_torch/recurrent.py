@@ -1,4 +1,4 @@
-"""nn.RNN, nn.GRU and nn.LSTM: per-example gradients through their Linear maps.
+"""nn.RNN, nn.GRU, nn.LSTM and their cells: per-example gradients through their Linear maps.
 
 ``torch.func`` cannot vmap PyTorch's fused recurrent kernels, so the recurrent rule runs the
 layer's recurrence itself, with the module's own parameters and PyTorch's cell formulas, and
@@ -19,7 +19,9 @@ outputs, stacked over the T steps: per example a Linear over T positions, so its
 gradient sum_t g_t u_t^T, its (ghost) norm and its book-keeping sum are those of
 :class:`dpcore_torch.layers.LinearRule`. A layer with L layers and D directions has L D input
 maps, L D recurrent maps and, with ``proj_size``, L D projections; parameter
-``weight_hh_l1_reverse`` is the weight of map ``hh_l1_reverse``.
+``weight_hh_l1_reverse`` is the weight of map ``hh_l1_reverse``. A cell (nn.RNNCell, nn.GRUCell,
+nn.LSTMCell) is one step with maps ``ih`` and ``hh``; called at every step of a loop, it is a
+layer used several times, whose per-example gradient the engine sums over the calls.
 """
 
 from __future__ import annotations
@@ -116,10 +118,11 @@ class RecurrentRule(Rule):
     ``weight_hh_l0_reverse`` is the weight of map ``hh_l0_reverse``."""
 
     def forward(self, module, use_list, args, kwargs):
-        x, hx = _inputs(module, args, kwargs)
+        cell = isinstance(module, nn.RNNCellBase)
+        x, hx = _inputs(module, args, kwargs, 2 if cell else 3)
         call = RecurrentCall(x.shape[0])
         use_list.append(call)
-        return _run(module, call, x, hx)
+        return (_step if cell else _run)(module, call, x, hx)
 
     @staticmethod
     def _part(use, attr):
@@ -132,9 +135,13 @@ class RecurrentRule(Rule):
         if part.g is None:
             p = getattr(module, name)
             return p.new_zeros((use.batch, *p.shape))
-        return _LINEAR.cached_grad(module, part, kind)
+        return _LINEAR.grad(module, part, kind)
 
-    cached_grad = grad  # cached in the map's Use
+    def cached_grad(self, module, use, name):
+        kind, part = self._part(use, name)
+        if part.g is None:
+            return self.grad(module, use, name)
+        return _LINEAR.cached_grad(module, part, kind)
 
     def sq_norm(self, module, use, name, prefer="memory"):
         kind, part = self._part(use, name)
@@ -148,8 +155,9 @@ class RecurrentRule(Rule):
             _LINEAR.add_weighted_sum(module, part, kind, c, out)
 
 
-def _inputs(module, args, kwargs):
-    """(x (B, T, d), initial state or None) from the call's arguments."""
+def _inputs(module, args, kwargs, dims: int):
+    """(x: (B, T, d) for a layer, ``dims`` = 3, or (B, d) for a cell, initial state or None)
+    from the call's arguments."""
     names = ("input", "hx")
     bound = dict(zip(names, args), **kwargs)
     x, hx = bound.get("input"), bound.get("hx")
@@ -159,16 +167,18 @@ def _inputs(module, args, kwargs):
                         f"feature) tensor, not a PackedSequence; pad the sequences "
                         f"(nn.utils.rnn.pad_packed_sequence(..., batch_first=True)) and mask "
                         f"the padded steps in the loss")
-    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] == 0:
+    if not isinstance(x, torch.Tensor) or x.dim() != dims or (dims == 3 and x.shape[1] == 0):
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"{kind} got input {shape}; dpcore needs a batched (batch, time, "
-                         f"feature) tensor (batch_first=True) with at least one step")
+        want = "(batch, time, feature) tensor (batch_first=True) with at least one step" \
+            if dims == 3 else "(batch, feature) tensor"
+        raise ValueError(f"{kind} got input {shape}; dpcore needs a batched {want}, one "
+                         f"example per row")
     return x, hx
 
 
 def _run(module, call: RecurrentCall, x, hx):
     """The module's forward, (output, h_n) or (output, (h_n, c_n)), through recorded maps."""
-    lstm, gru = isinstance(module, nn.LSTM), isinstance(module, nn.GRU)
+    lstm, gru = _kind(module)
     layers, dirs = module.num_layers, 2 if module.bidirectional else 1
     b, steps = x.shape[0], x.shape[1]
     proj = getattr(module, "proj_size", 0)
@@ -207,6 +217,27 @@ def _run(module, call: RecurrentCall, x, hx):
     return x, ((h_n, torch.stack(c_n)) if lstm else h_n)
 
 
+def _kind(module) -> tuple[bool, bool]:
+    """(is an LSTM, is a GRU), for layers and cells."""
+    return isinstance(module, (nn.LSTM, nn.LSTMCell)), isinstance(module, (nn.GRU, nn.GRUCell))
+
+
+def _step(module, call: RecurrentCall, x, hx):
+    """A cell's forward, h or (h, c), through recorded maps ``ih`` and ``hh``."""
+    lstm, gru = _kind(module)
+    if hx is None:
+        h = x.new_zeros(x.shape[0], module.hidden_size)
+        c = h if lstm else None
+    else:
+        h, c = hx if lstm else (hx, None)
+    maps = call.maps
+    maps["ih"], maps["hh"] = Use(x.detach()), Use(h.detach())
+    a = _Linear.apply(maps["ih"], x, module.weight_ih, module.bias_ih)
+    r = _Linear.apply(maps["hh"], h, module.weight_hh, module.bias_hh)
+    h, c = _cell(module, a, r, (h, c), lstm, gru)
+    return (h, c) if lstm else h
+
+
 def _cell(module, a, r, state, lstm, gru):
     """One step of PyTorch's cell: (h, c) from the input and recurrent maps' outputs."""
     h, c = state
@@ -225,4 +256,5 @@ def _cell(module, a, r, state, lstm, gru):
 
 #: Exact module types with the recurrent rule.
 RECURRENT_RULES: dict[type, Rule] = {
-    nn.RNN: RecurrentRule(), nn.GRU: RecurrentRule(), nn.LSTM: RecurrentRule()}
+    kind: RecurrentRule() for kind in (nn.RNN, nn.GRU, nn.LSTM, nn.RNNCell, nn.GRUCell,
+                                       nn.LSTMCell)}

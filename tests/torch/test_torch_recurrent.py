@@ -1,4 +1,4 @@
-"""nn.RNN, nn.GRU and nn.LSTM: the recurrent rule's outputs, per-example gradients, norms and
+"""nn.RNN, nn.GRU, nn.LSTM and their cells: the recurrent rule's outputs, per-example gradients, norms and
 clipped sums against the unmodified layer (PyTorch's fused kernels) run one example at a time
 in float64."""
 
@@ -65,6 +65,29 @@ class FirstOutput(nn.Module):
 
     def forward(self, x):
         return self.head(self.rnn(x)[0][:, 0])
+
+
+class CellLoop(nn.Module):
+    """A cell unrolled by hand over the sequence (one call per step), from a given state."""
+
+    def __init__(self, cell):
+        super().__init__()
+        self.cell, self.head = cell, nn.Linear(cell.hidden_size, CLASSES)
+        self.init = nn.Linear(D_IN, cell.hidden_size)
+
+    def forward(self, x):
+        h = torch.tanh(self.init(x[:, 0]))
+        state = (h, torch.zeros_like(h)) if isinstance(self.cell, nn.LSTMCell) else h
+        for t in range(x.shape[1]):
+            state = self.cell(x[:, t], state)
+        return self.head(state[0] if isinstance(state, tuple) else state)
+
+
+CELLS = {
+    "rnn-cell-relu": lambda: nn.RNNCell(D_IN, 4, nonlinearity="relu"),
+    "gru-cell": lambda: nn.GRUCell(D_IN, 4),
+    "lstm-cell-no-bias": lambda: nn.LSTMCell(D_IN, 4, bias=False),
+}
 
 
 def batch(size, seed=0):
@@ -140,6 +163,36 @@ def test_steps_the_loss_never_reaches_contribute_zero(prefer):
                  torch.stack([expected[n].flatten(1).pow(2).sum(1) for n in names], 1))
 
 
+@pytest.mark.parametrize("cell", sorted(CELLS))
+@pytest.mark.parametrize("size", [0, 1, 6])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_cells_called_at_every_step_match_the_fused_cell(cell, size, reduction):
+    """A cell called T times is a layer used T times: its per-example gradient is summed over
+    the calls once, and no call keeps a per-example gradient of its own."""
+    torch.manual_seed(5)
+    model = CellLoop(CELLS[cell]()).double()
+    x, y = batch(size, seed=size + 1)
+    plain = copy.deepcopy(model)
+    engine = engine_after_backward(model, x, y, reduction)
+    names = list(engine.params)
+    norms = engine.sq_norms(names)
+    cell_unit = next(u for u in engine.units if u.module is model.cell)
+    assert len(cell_unit.calls) == STEPS
+    assert not any(part.cache for call in cell_unit.calls for part in call.maps.values())
+    got = engine.per_example_grads()
+    if not size:
+        assert norms.shape == (0, len(names))
+        return
+    expected = oracle(plain, x, y)
+    for n in names:
+        assert close(got[n], expected[n]), n
+    assert close(norms, torch.stack([expected[n].flatten(1).pow(2).sum(1) for n in names], 1))
+    factors = torch.rand(size, 1, dtype=torch.float64)
+    sums = engine.clipped_sums(factors, {n: 0 for n in names})
+    for n in names:
+        assert close(sums[n], torch.einsum("b,b...->...", factors[:, 0], expected[n])), n
+
+
 def test_packed_sequences_and_unbatched_inputs_are_refused_with_a_fix():
     rnn = nn.LSTM(D_IN, 4, batch_first=True)
     engine = PerExampleEngine(rnn)
@@ -149,6 +202,11 @@ def test_packed_sequences_and_unbatched_inputs_are_refused_with_a_fix():
         rnn(packed)
     with pytest.raises(ValueError, match=r"\(3, 3\).*batch_first=True"):
         rnn(torch.randn(3, D_IN))
+    engine.detach()
+    cell = nn.GRUCell(D_IN, 4)
+    engine = PerExampleEngine(cell)
+    with pytest.raises(ValueError, match=r"\(3,\).*\(batch, feature\)"):
+        cell(torch.randn(D_IN))
     engine.detach()
 
 

@@ -1,7 +1,6 @@
 """The private step end to end: make_private, the optimizer wrapper, noise against the ledger,
 Poisson loading, and the backend's registration and contract."""
 
-import copy
 import math
 import subprocess
 import sys
