@@ -2,7 +2,8 @@
 
 ``torch.func`` cannot vmap PyTorch's fused recurrent kernels, so the recurrent rule runs the
 layer's recurrence itself, with the module's own parameters and PyTorch's cell formulas, and
-every parameter enters through a Linear map:
+every parameter enters through a Linear map (a PackedSequence is padded first and each
+example's steps are masked to its length):
 
     input map       a_t = W_ih x_t + b_ih        (all t at once: a sequence Linear)
     recurrent map   r_t = W_hh h_{t-1} + b_hh    (one step at a time)
@@ -29,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils.rnn import PackedSequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from .layers import LinearRule, Rule, Use, _Linear
 
@@ -120,9 +121,15 @@ class RecurrentRule(Rule):
     def forward(self, module, use_list, args, kwargs):
         cell = isinstance(module, nn.RNNCellBase)
         x, hx = _inputs(module, args, kwargs, 2 if cell else 3)
+        packed = lengths = None
+        if isinstance(x, PackedSequence):
+            packed, (x, lengths) = x, pad_packed_sequence(x, batch_first=True)
         call = RecurrentCall(x.shape[0])
         use_list.append(call)
-        return (_step if cell else _run)(module, call, x, hx)
+        if cell:
+            return _step(module, call, x, hx)
+        out, state = _run(module, call, x, hx, lengths)
+        return (out if packed is None else _repacked(out, lengths, packed)), state
 
     @staticmethod
     def _part(use, attr):
@@ -162,11 +169,8 @@ def _inputs(module, args, kwargs, dims: int):
     bound = dict(zip(names, args), **kwargs)
     x, hx = bound.get("input"), bound.get("hx")
     kind = type(module).__name__
-    if isinstance(x, PackedSequence):
-        raise TypeError(f"{kind}: dpcore's per-example gradients need a padded (batch, time, "
-                        f"feature) tensor, not a PackedSequence; pad the sequences "
-                        f"(nn.utils.rnn.pad_packed_sequence(..., batch_first=True)) and mask "
-                        f"the padded steps in the loss")
+    if isinstance(x, PackedSequence) and dims == 3:
+        return x, hx
     if not isinstance(x, torch.Tensor) or x.dim() != dims or (dims == 3 and x.shape[1] == 0):
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         want = "(batch, time, feature) tensor (batch_first=True) with at least one step" \
@@ -176,8 +180,20 @@ def _inputs(module, args, kwargs, dims: int):
     return x, hx
 
 
-def _run(module, call: RecurrentCall, x, hx):
-    """The module's forward, (output, h_n) or (output, (h_n, c_n)), through recorded maps."""
+def _repacked(out, lengths, like: PackedSequence) -> PackedSequence:
+    """Padded ``out`` (B, T, h) packed as ``like`` is: same batch sizes and example order."""
+    order = like.sorted_indices
+    if order is not None:
+        out, lengths = out.index_select(0, order), lengths[order.cpu()]
+    data = pack_padded_sequence(out, lengths, batch_first=True).data
+    return PackedSequence(data, like.batch_sizes, like.sorted_indices, like.unsorted_indices)
+
+
+def _run(module, call: RecurrentCall, x, hx, lengths=None):
+    """The module's forward, (output, h_n) or (output, (h_n, c_n)), through recorded maps.
+    With ``lengths`` (B,) (a packed input, padded), example i's state stops changing after
+    its last step (forward) or starts changing at it (reverse), as PyTorch's packed kernels
+    do; its padded steps get no backprop, so they add nothing to its gradients."""
     lstm, gru = _kind(module)
     layers, dirs = module.num_layers, 2 if module.bidirectional else 1
     b, steps = x.shape[0], x.shape[1]
@@ -187,6 +203,8 @@ def _run(module, call: RecurrentCall, x, hx):
         c0 = x.new_zeros(layers * dirs, b, module.hidden_size) if lstm else None
     else:
         h0, c0 = hx if lstm else (hx, None)
+    live = None if lengths is None else (
+        torch.arange(steps)[None, :] < lengths[:, None]).to(x.device)
     h_n, c_n = [], []
     for layer in range(layers):
         outputs = []
@@ -203,9 +221,13 @@ def _run(module, call: RecurrentCall, x, hx):
             ys = [None] * steps
             for t in (reversed(range(steps)) if direction else range(steps)):
                 r = hh.apply(state[0], param("weight_hh"), param("bias_hh"))
-                state = _cell(module, a[:, t], r, state, lstm, gru)
+                new = _cell(module, a[:, t], r, state, lstm, gru)
                 if hr is not None:
-                    state = hr.apply(state[0], param("weight_hr"), None), state[1]
+                    new = hr.apply(new[0], param("weight_hr"), None), new[1]
+                if live is not None:
+                    new = tuple(None if n is None else torch.where(live[:, t, None], n, s)
+                                for n, s in zip(new, state))
+                state = new
                 ys[t] = state[0]
             outputs.append(torch.stack(ys, 1))
             h_n.append(state[0])

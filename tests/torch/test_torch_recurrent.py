@@ -193,13 +193,65 @@ def test_cells_called_at_every_step_match_the_fused_cell(cell, size, reduction):
         assert close(sums[n], torch.einsum("b,b...->...", factors[:, 0], expected[n])), n
 
 
-def test_packed_sequences_and_unbatched_inputs_are_refused_with_a_fix():
+class Packed(nn.Module):
+    """Sequences of different lengths, packed (not sorted by length), read through the padded
+    outputs' mean over each sequence's own steps and the final state."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.rnn = layer
+        width = layer.hidden_size * (2 if layer.bidirectional else 1)
+        self.head = nn.Linear(width + layer.hidden_size, CLASSES)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        out, state = self.rnn(packed)
+        assert isinstance(out, nn.utils.rnn.PackedSequence)
+        out, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
+        h_n = state[0] if isinstance(state, tuple) else state
+        mean = out.sum(1) / lengths[:, None].to(out.dtype)
+        return self.head(torch.cat([mean, h_n[-1]], 1))
+
+
+@pytest.mark.parametrize("layer", ["gru-2-bidirectional", "lstm", "rnn-tanh"])
+def test_packed_sequences_match_the_fused_layer_one_sequence_at_a_time(layer):
+    torch.manual_seed(6)
+    model = Packed(LAYERS[layer]()).double()
+    x, y = batch(5, seed=7)
+    lengths = torch.tensor([3, 5, 1, 4, 5])
+    plain = copy.deepcopy(model)
+    want_out = plain.rnn(nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
+                                                           enforce_sorted=False))
+    expected = {n: [] for n, _ in plain.named_parameters()}
+    for i in range(5):
+        plain.zero_grad()
+        F.cross_entropy(plain(x[i:i + 1, :lengths[i]], lengths[i:i + 1]), y[i:i + 1],
+                        reduction="sum").backward()
+        for n, p in plain.named_parameters():
+            expected[n].append(p.grad.clone())
+    engine = PerExampleEngine(model, loss_reduction="sum")
+    got_out = model.rnn(nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
+                                                          enforce_sorted=False))
+    assert close(got_out[0].data, want_out[0].data)
+    assert torch.equal(got_out[0].batch_sizes, want_out[0].batch_sizes)
+    assert torch.equal(got_out[0].unsorted_indices, want_out[0].unsorted_indices)
+    for a, b in zip(*(o[1] if isinstance(o[1], tuple) else (o[1],) for o in (got_out, want_out))):
+        assert close(a, b)
+    engine.clear()
+    model.zero_grad()
+    F.cross_entropy(model(x, lengths), y, reduction="sum").backward()
+    got = engine.per_example_grads()
+    for n in got:
+        assert close(got[n], torch.stack(expected[n])), n
+    names = list(engine.params)
+    assert close(engine.sq_norms(names), torch.stack(
+        [torch.stack(expected[n]).flatten(1).pow(2).sum(1) for n in names], 1))
+
+
+def test_unbatched_inputs_are_refused_with_a_fix():
     rnn = nn.LSTM(D_IN, 4, batch_first=True)
     engine = PerExampleEngine(rnn)
-    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(2, 3, D_IN), [3, 2],
-                                               batch_first=True)
-    with pytest.raises(TypeError, match="pad_packed_sequence"):
-        rnn(packed)
     with pytest.raises(ValueError, match=r"\(3, 3\).*batch_first=True"):
         rnn(torch.randn(3, D_IN))
     engine.detach()
