@@ -6,7 +6,10 @@ support per example (Conv2d, Linear, Embedding, LayerNorm), so every mode runs t
 (b) covertype MLP 54-100-100-7 with tanh, batch 512;
 (c) a transformer encoder: token embedding 10,000 x 128 and learned positions, 2 pre-norm
     blocks (4 heads, feed-forward 512, attention by scaled_dot_product_attention over Linear
-    projections), mean pooling, 2 classes; sequence 64, batch 32.
+    projections), mean pooling, 2 classes; sequence 64, batch 32;
+(d) an LSTM text classifier (not in issue 4): token embedding 2,000 x 64, one LSTM layer of
+    128 units (``batch_first``), the last state to 2 classes; sequence 32, batch 64. Opacus
+    runs it with its ``DPLSTM`` (the same parameters; ``ModuleValidator.fix`` swaps it in).
 """
 
 from __future__ import annotations
@@ -65,8 +68,20 @@ class Encoder(nn.Module):
         return self.head(self.norm(h).mean(1))
 
 
+class LSTMClassifier(nn.Module):
+    def __init__(self, vocab=2_000, d=64, hidden=128, classes=2):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, d)
+        self.lstm = nn.LSTM(d, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, k):
+        h_n = self.lstm(self.tokens(k))[1][0]
+        return self.head(h_n[-1])
+
+
 def workload(name: str, seed: int = 0):
-    """(model, inputs, targets) of one of "cnn", "mlp", "transformer"."""
+    """(model, inputs, targets) of one of "cnn", "mlp", "transformer", "lstm"."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     if name == "cnn":
@@ -78,4 +93,7 @@ def workload(name: str, seed: int = 0):
     if name == "transformer":
         return Encoder(), torch.randint(0, 10_000, (32, 64), generator=gen), \
             torch.randint(0, 2, (32,), generator=gen)
-    raise ValueError(f"workload must be cnn, mlp or transformer, got {name!r}")
+    if name == "lstm":
+        return LSTMClassifier(), torch.randint(0, 2_000, (64, 32), generator=gen), \
+            torch.randint(0, 2, (64,), generator=gen)
+    raise ValueError(f"workload must be cnn, mlp, transformer or lstm, got {name!r}")
