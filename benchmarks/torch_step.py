@@ -39,7 +39,6 @@ import time
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_models import workload  # noqa: E402

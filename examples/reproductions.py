@@ -19,7 +19,6 @@ and noise.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 

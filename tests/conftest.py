@@ -4,7 +4,6 @@ import importlib
 import importlib.util
 import pathlib
 
-import numpy as np
 import pytest
 
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from dpcore.accounting.rdp import (DEFAULT_ORDERS, RDPAccountant, delta_from_rdp,
+from dpcore.accounting.rdp import (DEFAULT_ORDERS, RDPAccountant,
                                    epsilon_from_rdp, rdp_subsampled_gaussian)
 from dpcore.ledger import Step
 

@@ -23,7 +23,6 @@ gradient is sum_t xhat_it * g_it and the offset's sum_t g_it.
 
 from __future__ import annotations
 
-import math
 import string
 
 import tensorflow as tf

@@ -12,7 +12,7 @@ B times the parameters; the ghost-norm path (:mod:`.bookkeeping`) avoids that wh
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 import tensorflow as tf
 

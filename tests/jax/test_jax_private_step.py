@@ -11,7 +11,7 @@ import dpcore
 from dpcore.aggregation import NonFiniteNormError
 from dpcore.ledger import SamplingEvent, SumQueryEvent
 from dpcore_jax import (Buckets, PoissonBatches, PrivateStep, clipped_sums, leaf_names,
-                        leaf_sizes, named_leaves, private_grad, private_optimizer, train)
+                        leaf_sizes, private_grad, private_optimizer, train)
 from dpcore_jax.batching import pad
 
 import jax_models as models
