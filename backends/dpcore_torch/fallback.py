@@ -23,7 +23,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten
 
-from .layers import keep_rows
+from .layers import cast_like, keep_rows
 
 _state = threading.local()
 
@@ -142,12 +142,17 @@ class FallbackUnit:
             return sum((o * g.unsqueeze(0)).sum() for o, g in zip(out, backprops)
                        if g is not None)
 
-        tensors = [call.args[i] for i in positions]
+        # replayed in the parameters' precision (inputs and backprops of an autocast forward
+        # may be lower), as the layer rules form their gradients
+        like = next(iter(params.values()))
+        tensors = [cast_like(call.args[i], like) for i in positions]
+        backprops = [None if g is None else cast_like(g, like) for g in call.g]
         dims = [None if g is None else 0 for g in call.g]
         with torch.no_grad(), warnings.catch_warnings():  # the result is data, no graph
             warnings.filterwarnings("ignore", "There is a performance drop")  # expected here
             try:
-                call.cache = vmap(grad(inner), in_dims=(None, 0, dims))(params, tensors, call.g)
+                call.cache = vmap(grad(inner), in_dims=(None, 0, dims))(params, tensors,
+                                                                        backprops)
             except RuntimeError as error:
                 raise RuntimeError(
                     f"torch.func could not form per-example gradients of "

@@ -89,11 +89,11 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        shape = ctx.shape
+        shape, weight = ctx.shape, ctx.saved_tensors[0]
         if len(shape) != 2:
             g = g.reshape(*shape[:-1], g.shape[-1])
-        ctx.use.g, ctx.use = g, None  # the graph may outlive the step: keep no reference
-        gx = g.matmul(ctx.saved_tensors[0]) if ctx.needs_input_grad[1] else None
+        ctx.use.g, ctx.use = g.to(weight.dtype), None  # the graph may outlive the step
+        gx = g.matmul(weight.to(g.dtype)) if ctx.needs_input_grad[1] else None
         return None, gx, None, None
 
 
@@ -107,11 +107,12 @@ class _Conv(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        ctx.use.g, ctx.use = g, None  # the graph may outlive the step: keep no reference
+        weight = ctx.saved_tensors[0]
+        ctx.use.g, ctx.use = g.to(weight.dtype), None  # the graph may outlive the step
         gx = None
         if ctx.needs_input_grad[1]:
             conv_input = conv1d_input if len(ctx.shape) == 3 else conv2d_input
-            gx = conv_input(ctx.shape, ctx.saved_tensors[0], g, *ctx.conf)
+            gx = conv_input(ctx.shape, weight.to(g.dtype), g, *ctx.conf)
         return None, gx, None, None, None, None, None, None
 
 
@@ -132,16 +133,16 @@ class _LayerNorm(torch.autograd.Function):
     def forward(ctx, use, x, weight, bias, shape, eps):
         out, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
         use.aux = (mean, rstd)
-        ctx.use, ctx.shape = use, shape
+        ctx.use, ctx.shape, ctx.dtype = use, shape, use.x.dtype
         ctx.save_for_backward(x, mean, rstd, weight, bias)
         return out
 
     @staticmethod
     def backward(ctx, g):
-        ctx.use.g, ctx.use = g, None  # the graph may outlive the step: keep no reference
+        x, mean, rstd, weight, bias = ctx.saved_tensors
+        ctx.use.g, ctx.use = g.to(ctx.dtype), None  # the graph may outlive the step
         gx = None
         if ctx.needs_input_grad[1]:
-            x, mean, rstd, weight, bias = ctx.saved_tensors
             gx = torch.ops.aten.native_layer_norm_backward(
                 g.contiguous(), x, ctx.shape, mean, rstd, weight, bias, [True, False, False])[0]
         return None, gx, None, None, None, None
@@ -154,16 +155,16 @@ class _GroupNorm(torch.autograd.Function):
         hw = math.prod(x.shape[2:])
         out, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, hw, groups, eps)
         use.aux = (mean, rstd)
-        ctx.use, ctx.conf = use, (n, c, hw, groups)
+        ctx.use, ctx.conf, ctx.dtype = use, (n, c, hw, groups), use.x.dtype
         ctx.save_for_backward(x, mean, rstd, weight)
         return out
 
     @staticmethod
     def backward(ctx, g):
-        ctx.use.g, ctx.use = g, None  # the graph may outlive the step: keep no reference
+        x, mean, rstd, weight = ctx.saved_tensors
+        ctx.use.g, ctx.use = g.to(ctx.dtype), None  # the graph may outlive the step
         gx = None
         if ctx.needs_input_grad[1]:
-            x, mean, rstd, weight = ctx.saved_tensors
             gx = torch.ops.aten.native_group_norm_backward(
                 g.contiguous(), x, mean, rstd, weight, *ctx.conf, [True, False, False])[0]
         return None, gx, None, None, None, None
@@ -228,8 +229,16 @@ class Rule:
         add_contraction(out, c, self.cached_grad(module, use, name))
 
 
-def _record(use_list, x, aux=None) -> Use:
-    use = Use(x.detach(), aux)
+def cast_like(t, like):
+    """Floating tensor ``t`` in ``like``'s dtype (other tensors as they are)."""
+    return t.to(like.dtype) if t.is_floating_point() else t
+
+
+def _record(use_list, x, like, aux=None) -> Use:
+    """A new Use of x, kept in the dtype of parameter ``like`` (under autocast, a layer's
+    input and backprop may be lower precision than its parameters: per-example gradients,
+    norms and sums are formed in the parameters' precision)."""
+    use = Use(cast_like(x.detach(), like), aux)
     use_list.append(use)
     return use
 
@@ -246,7 +255,7 @@ class LinearRule(Rule):
 
     def forward(self, module, use_list, args, kwargs):
         (x,) = args
-        out = _Linear.apply(_record(use_list, x), x, module.weight, module.bias)
+        out = _Linear.apply(_record(use_list, x, module.weight), x, module.weight, module.bias)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
 
     def grad(self, module, use, name):
@@ -322,7 +331,7 @@ class ConvRule(Rule):
         if widths is not None:
             mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
             x = F.pad(x, widths, mode=mode)
-        use = _record(use_list, x, aux=padding)
+        use = _record(use_list, x, module.weight, aux=padding)
         return _Conv.apply(use, x, module.weight, module.bias, module.stride, padding,
                            module.dilation, module.groups)
 
@@ -392,7 +401,7 @@ class EmbeddingRule(Rule):
 
     def forward(self, module, use_list, args, kwargs):
         (indices,) = args
-        use = _record(use_list, indices)
+        use = _record(use_list, indices, module.weight)
         return _Embedding.apply(use, indices, module.weight, module.padding_idx,
                                 module.max_norm, module.norm_type, module.sparse)
 
@@ -430,7 +439,7 @@ class EmbeddingRule(Rule):
 class LayerNormRule(Rule):
     def forward(self, module, use_list, args, kwargs):
         (x,) = args
-        use = _record(use_list, x)
+        use = _record(use_list, x, module.weight if module.weight is not None else module.bias)
         return _LayerNorm.apply(use, x, module.weight, module.bias,
                                 list(module.normalized_shape), module.eps)
 
@@ -446,7 +455,7 @@ class LayerNormRule(Rule):
 class GroupNormRule(Rule):
     def forward(self, module, use_list, args, kwargs):
         (x,) = args
-        use = _record(use_list, x)
+        use = _record(use_list, x, module.weight if module.weight is not None else module.bias)
         return _GroupNorm.apply(use, x, module.weight, module.bias, module.num_groups,
                                 module.eps)
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from .layers import LinearRule, Rule, Use, _Linear
+from .layers import LinearRule, Rule, Use, _Linear, cast_like
 
 _LINEAR = LinearRule()
 
@@ -47,7 +47,7 @@ class _Steps:
         self.xs, self.gs = [], []
 
     def apply(self, u, weight, bias):
-        self.xs.append(u.detach())
+        self.xs.append(cast_like(u.detach(), weight))
         self.gs.append(None)
         return _StepLinear.apply(self, len(self.xs) - 1, u, weight, bias)
 
@@ -74,8 +74,9 @@ class _StepLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        ctx.steps.gs[ctx.k], ctx.steps = g, None  # the graph may outlive the step
-        gu = g.matmul(ctx.saved_tensors[0]) if ctx.needs_input_grad[2] else None
+        weight = ctx.saved_tensors[0]
+        ctx.steps.gs[ctx.k], ctx.steps = g.to(weight.dtype), None  # the graph may outlive it
+        gu = g.matmul(weight.to(g.dtype)) if ctx.needs_input_grad[2] else None
         return None, None, gu, None, None
 
 
@@ -211,9 +212,8 @@ def _run(module, call: RecurrentCall, x, hx, lengths=None):
         for direction in range(dirs):
             suffix = f"_l{layer}" + ("_reverse" if direction else "")
             param = lambda name: getattr(module, name + suffix, None)  # noqa: E731
-            use = Use(x.detach())
-            call.maps["ih" + suffix] = use
             w_ih = param("weight_ih")
+            use = call.maps["ih" + suffix] = Use(cast_like(x.detach(), w_ih))
             a = _Linear.apply(use, x, w_ih, param("bias_ih")).reshape(b, steps, w_ih.shape[0])
             hh = call.maps["hh" + suffix] = _Steps()
             hr = call.maps["hr" + suffix] = _Steps() if proj else None
@@ -253,7 +253,8 @@ def _step(module, call: RecurrentCall, x, hx):
     else:
         h, c = hx if lstm else (hx, None)
     maps = call.maps
-    maps["ih"], maps["hh"] = Use(x.detach()), Use(h.detach())
+    maps["ih"] = Use(cast_like(x.detach(), module.weight_ih))
+    maps["hh"] = Use(cast_like(h.detach(), module.weight_hh))
     a = _Linear.apply(maps["ih"], x, module.weight_ih, module.bias_ih)
     r = _Linear.apply(maps["hh"], h, module.weight_hh, module.bias_hh)
     h, c = _cell(module, a, r, (h, c), lstm, gru)

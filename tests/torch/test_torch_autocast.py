@@ -1,0 +1,87 @@
+"""Mixed precision: a forward under ``torch.autocast`` (bfloat16 on the CPU) keeps lower-precision
+inputs and backprops; per-example gradients, norms and sums are formed in the parameters'
+precision (float32), against the same model run one example at a time under autocast."""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from dpcore_torch import PerExampleEngine, make_private  # noqa: E402
+
+BF16_TOL = 2e-2  # bfloat16 keeps 8 significant bits (relative rounding 2^-9); many roundings
+
+
+class EveryRule(nn.Module):
+    """Embedding, Conv1d, GroupNorm, LayerNorm, LSTM, MultiheadAttention (the torch.func
+    fallback) and Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.conv = nn.Embedding(20, 8), nn.Conv1d(8, 8, 3, padding=1)
+        self.gn, self.ln = nn.GroupNorm(2, 8), nn.LayerNorm(8)
+        self.lstm = nn.LSTM(8, 8, batch_first=True)
+        self.att = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, k):
+        h = self.gn(self.conv(self.emb(k).transpose(1, 2))).transpose(1, 2)
+        h = self.lstm(self.ln(h))[0]
+        h = h + self.att(h, h, h, need_weights=False)[0]
+        return self.fc(h.mean(1))
+
+
+def loss_under_autocast(model, k, y):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(k)
+        assert out.dtype == torch.bfloat16
+        return F.cross_entropy(out, y, reduction="sum")
+
+
+def test_per_example_gradients_and_norms_are_float32_and_match_autocast_one_at_a_time():
+    torch.manual_seed(0)
+    model = EveryRule()
+    plain = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(1)
+    k, y = torch.randint(0, 20, (6, 5), generator=gen), torch.randint(0, 3, (6,), generator=gen)
+    engine = PerExampleEngine(model, loss_reduction="sum")
+    loss_under_autocast(model, k, y).backward()
+    names = list(engine.params)
+    norms = engine.sq_norms(names)
+    got = engine.per_example_grads()
+    assert norms.dtype == torch.float32
+    # the norms are those of the float32 gradients the sums are formed from, so a clipped
+    # contribution never exceeds its bound by a rounding of the low precision
+    own = torch.stack([got[n].flatten(1).pow(2).sum(1) for n in names], 1)
+    torch.testing.assert_close(norms, own, rtol=1e-5, atol=1e-12)
+    for i in range(6):
+        plain.zero_grad()
+        loss_under_autocast(plain, k[i:i + 1], y[i:i + 1]).backward()
+        for n, p in plain.named_parameters():
+            assert got[n].dtype == torch.float32
+            scale = p.grad.abs().max().item()
+            assert (got[n][i] - p.grad).abs().max().item() <= BF16_TOL * max(scale, 1e-6), n
+
+
+def test_a_private_step_under_autocast_is_the_non_private_one_without_noise_and_clipping():
+    torch.manual_seed(2)
+    model = EveryRule()
+    twin = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(3)
+    k, y = torch.randint(0, 20, (8, 5), generator=gen), torch.randint(0, 3, (8,), generator=gen)
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, twin))
+    model, opt, _ = make_private(model, opt, DataLoader(TensorDataset(k, y), batch_size=8),
+                                 noise_multiplier=0.0, max_grad_norm=1e6, seed=0,
+                                 loss_reduction="sum")
+    before = [p.detach().clone() for p in twin.parameters()]
+    for m, o in ((model, opt), (twin, twin_opt)):
+        o.zero_grad()
+        loss_under_autocast(m, k, y).backward()
+        o.step()
+    for p, t, b in zip(model.parameters(), twin.parameters(), before):
+        step, want = p.detach() - b, (t.detach() - b) / 8  # the release divides by q n = 8
+        assert (step - want).abs().max().item() <= BF16_TOL * max(want.abs().max().item(), 1e-6)
