@@ -14,7 +14,8 @@ from dpcore.plugins import lazy_exports
 _HOME = {
     "TorchBackend": "backend",
     "PoissonBatchSampler": "data", "poisson_loader": "data",
-    "LeakedGradientError": "engine", "NotPerExampleError": "engine",
+    "AccumulationError": "engine", "LeakedGradientError": "engine",
+    "NotPerExampleError": "engine",
     "PerExampleEngine": "engine",
     "PrivateOptimizer": "optimizer",
     "build_mechanism": "privacy", "make_private": "privacy",

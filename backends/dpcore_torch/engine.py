@@ -37,6 +37,10 @@ class LeakedGradientError(RuntimeError):
     """A parameter got a gradient that no instrumented layer saw per example."""
 
 
+class AccumulationError(RuntimeError):
+    """Gradients of several backward passes in one step (gradient accumulation)."""
+
+
 def check_per_example(module: nn.Module) -> None:
     """Raise :class:`NotPerExampleError` for layers that mix the examples of a batch."""
     for name, sub in module.named_modules():
@@ -63,6 +67,22 @@ def _refuse_training_batchnorm(name: str):
         if torch.is_grad_enabled():
             _check_layer(name, module)
     return refuse
+
+
+def _check_one_backward(unit) -> None:
+    """Raise :class:`AccumulationError` if a call of ``unit`` that the backward pass reached
+    was made after a backward pass had reached another of its calls: two batches, two
+    backward passes, one step. Pairing row i of the two batches as one example would clip
+    two records together (twice the sensitivity). Calls made after a backward pass and never
+    back-propagated (an evaluation forward with gradients on) contribute zero and pass."""
+    reached = [call for call in unit.calls if call.reached]
+    if reached and max(c.born for c in reached) > min(c.reached_at for c in reached):
+        raise AccumulationError(
+            f"{type(unit.module).__name__} was back-propagated in two backward passes since "
+            f"the last step (gradient accumulation). dpcore clips each example within one "
+            f"backward pass: call optimizer.step() (or private_grads) after every backward, "
+            f"or give the step one batch (in a custom loop: one Poisson sample, one forward, "
+            f"one backward)")
 
 
 class _RuleUnit:
@@ -192,14 +212,17 @@ class PerExampleEngine:
                 f"forward). Use the weight only through modules (tie weights by assigning the "
                 f"same Parameter to two modules), or make_private(..., mode='vmap')")
         contributions: dict[str, list] = {leaf: [] for leaf in self.params}
-        sizes = set()
+        sizes, unreached = set(), set()
         for unit in self.units:
+            _check_one_backward(unit)
             for call in unit.calls:
+                if not call.reached:  # output unused by the loss: contributes zero
+                    unreached.add(call.batch_size)
+                    continue
                 sizes.add(call.batch_size)
-                if not call.reached:
-                    continue  # output unused by the loss: contributes zero
                 for key, leaf in unit.names.items():
                     contributions[leaf].append((unit, call, key))
+        sizes = sizes or unreached  # nothing reached: all per-example gradients are zero
         if len(sizes) > 1:
             raise ValueError(f"the layers saw batches of different sizes {sorted(sizes)} in one "
                              f"step; dpcore needs every layer's input to have the examples on "

@@ -23,7 +23,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten
 
-from .layers import cast_like, keep_rows
+from .layers import cast_like, keep_rows, tick
 
 _state = threading.local()
 
@@ -48,12 +48,13 @@ class Call:
     """One call of a fallback module: positional args, keyword args, and the backprops of its
     floating-point tensor outputs (None until the backward pass reaches them)."""
 
-    __slots__ = ("args", "kwargs", "g", "cache")
+    __slots__ = ("args", "kwargs", "g", "cache", "born", "reached_at")
 
     def __init__(self, args, kwargs, n_outputs):
         self.args, self.kwargs = args, kwargs
         self.g = [None] * n_outputs
         self.cache = None
+        self.born, self.reached_at = tick(), None
 
     def release(self) -> None:
         """Drop the tensors (output hooks may still hold this object)."""
@@ -113,6 +114,8 @@ class FallbackUnit:
     def _keeper(call, k):
         def keep(g):
             call.g[k] = g if call.g[k] is None else call.g[k] + g
+            if call.reached_at is None:
+                call.reached_at = tick()
         return keep
 
     def grads(self, call: Call) -> dict[str, torch.Tensor]:

@@ -24,6 +24,7 @@ LayerNorm / GroupNorm, normalised input xh: grad_weight_i = sum (g_i * xh_i), gr
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -40,15 +41,32 @@ def keep_rows(t, keep):
     return torch.where(keep.reshape(-1, *[1] * (t.dim() - 1)), t, 0)
 
 
+_CLOCK = itertools.count()
+
+
+def tick() -> int:
+    """A number larger than every earlier one: when a call was made or first reached by a
+    backward pass (the engine refuses a step whose calls were made after a backward pass that
+    reached the same layer, i.e. gradients accumulated over several backward passes)."""
+    return next(_CLOCK)
+
+
 class Use:
     """One call of an instrumented layer in the current step: its input ``x``, the backprop
-    ``g`` of its output (set by the backward pass), statistics ``aux`` and a cache of
-    materialised per-example gradients."""
+    ``g`` of its output (set by the backward pass, :meth:`arrive`), statistics ``aux``, a
+    cache of materialised per-example gradients, and when it was made and reached."""
 
-    __slots__ = ("x", "g", "aux", "cache")
+    __slots__ = ("x", "g", "aux", "cache", "born", "reached_at")
 
     def __init__(self, x, aux=None):
         self.x, self.g, self.aux, self.cache = x, None, aux, {}
+        self.born, self.reached_at = tick(), None
+
+    def arrive(self, g) -> None:
+        """Keep the backprop ``g`` of this call's output, from the backward pass."""
+        self.g = g
+        if self.reached_at is None:
+            self.reached_at = tick()
 
     def release(self) -> None:
         """Drop the tensors (the autograd graph or the user may still hold this object)."""
@@ -92,7 +110,8 @@ class _Linear(torch.autograd.Function):
         shape, weight = ctx.shape, ctx.saved_tensors[0]
         if len(shape) != 2:
             g = g.reshape(*shape[:-1], g.shape[-1])
-        ctx.use.g, ctx.use = g.to(weight.dtype), None  # the graph may outlive the step
+        ctx.use.arrive(g.to(weight.dtype))
+        ctx.use = None  # the graph may outlive the step: keep no reference
         gx = g.matmul(weight.to(g.dtype)) if ctx.needs_input_grad[1] else None
         return None, gx, None, None
 
@@ -108,7 +127,8 @@ class _Conv(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         weight = ctx.saved_tensors[0]
-        ctx.use.g, ctx.use = g.to(weight.dtype), None  # the graph may outlive the step
+        ctx.use.arrive(g.to(weight.dtype))
+        ctx.use = None  # the graph may outlive the step: keep no reference
         gx = None
         if ctx.needs_input_grad[1]:
             conv_input = conv1d_input if len(ctx.shape) == 3 else conv2d_input
@@ -124,7 +144,8 @@ class _Embedding(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        ctx.use.g, ctx.use = g, None  # the graph may outlive the step: keep no reference
+        ctx.use.arrive(g)
+        ctx.use = None  # the graph may outlive the step: keep no reference
         return None, None, None, None, None, None, None
 
 
@@ -140,7 +161,8 @@ class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, mean, rstd, weight, bias = ctx.saved_tensors
-        ctx.use.g, ctx.use = g.to(ctx.dtype), None  # the graph may outlive the step
+        ctx.use.arrive(g.to(ctx.dtype))
+        ctx.use = None  # the graph may outlive the step: keep no reference
         gx = None
         if ctx.needs_input_grad[1]:
             gx = torch.ops.aten.native_layer_norm_backward(
@@ -162,7 +184,8 @@ class _GroupNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, mean, rstd, weight = ctx.saved_tensors
-        ctx.use.g, ctx.use = g.to(ctx.dtype), None  # the graph may outlive the step
+        ctx.use.arrive(g.to(ctx.dtype))
+        ctx.use = None  # the graph may outlive the step: keep no reference
         gx = None
         if ctx.needs_input_grad[1]:
             gx = torch.ops.aten.native_group_norm_backward(

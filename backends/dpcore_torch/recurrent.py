@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from .layers import LinearRule, Rule, Use, _Linear, cast_like
+from .layers import LinearRule, Rule, Use, _Linear, cast_like, tick
 
 _LINEAR = LinearRule()
 
@@ -41,10 +41,10 @@ class _Steps:
     """A Linear map applied one step at a time: the inputs of each step and, once the backward
     pass has reached them, the backprops of its outputs."""
 
-    __slots__ = ("xs", "gs")
+    __slots__ = ("xs", "gs", "reached_at")
 
     def __init__(self):
-        self.xs, self.gs = [], []
+        self.xs, self.gs, self.reached_at = [], [], None
 
     def apply(self, u, weight, bias):
         self.xs.append(cast_like(u.detach(), weight))
@@ -55,6 +55,7 @@ class _Steps:
         """One :class:`Use` with x (B, T, d_in) and g (B, T, d_out); steps the backward pass
         did not reach contribute zero backprop; g is None if it reached none."""
         use = Use(torch.stack(self.xs, 1))
+        use.reached_at = self.reached_at
         reached = [g for g in self.gs if g is not None]
         if reached:
             zero = torch.zeros_like(reached[0])
@@ -75,7 +76,10 @@ class _StepLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         weight = ctx.saved_tensors[0]
-        ctx.steps.gs[ctx.k], ctx.steps = g.to(weight.dtype), None  # the graph may outlive it
+        steps, ctx.steps = ctx.steps, None  # the graph may outlive the step
+        steps.gs[ctx.k] = g.to(weight.dtype)
+        if steps.reached_at is None:
+            steps.reached_at = tick()
         gu = g.matmul(weight.to(g.dtype)) if ctx.needs_input_grad[2] else None
         return None, None, gu, None, None
 
@@ -84,10 +88,10 @@ class RecurrentCall:
     """One call of a recurrent layer: its maps by name (``ih_l0``, ``hh_l0``, ...), each a
     :class:`Use` (input maps) or :class:`_Steps` (stacked into a Use on first read)."""
 
-    __slots__ = ("maps", "batch")
+    __slots__ = ("maps", "batch", "born")
 
     def __init__(self, batch: int):
-        self.maps, self.batch = {}, batch
+        self.maps, self.batch, self.born = {}, batch, tick()
 
     def part(self, name: str) -> Use:
         use = self.maps[name]
@@ -110,9 +114,14 @@ class RecurrentCall:
         return self.batch
 
     @property
+    def reached_at(self) -> int | None:
+        """When the backward pass first reached one of the maps (None: never)."""
+        times = [use.reached_at for use in self.maps.values() if use.reached_at is not None]
+        return min(times) if times else None
+
+    @property
     def reached(self) -> bool:
-        return any(use.g is not None if isinstance(use, Use) else any(
-            g is not None for g in use.gs) for use in self.maps.values())
+        return self.reached_at is not None
 
 
 class RecurrentRule(Rule):
@@ -216,7 +225,9 @@ def _run(module, call: RecurrentCall, x, hx, lengths=None):
             use = call.maps["ih" + suffix] = Use(cast_like(x.detach(), w_ih))
             a = _Linear.apply(use, x, w_ih, param("bias_ih")).reshape(b, steps, w_ih.shape[0])
             hh = call.maps["hh" + suffix] = _Steps()
-            hr = call.maps["hr" + suffix] = _Steps() if proj else None
+            hr = None
+            if proj:
+                hr = call.maps["hr" + suffix] = _Steps()
             state = h0[layer * dirs + direction], (c0[layer * dirs + direction] if lstm else None)
             ys = [None] * steps
             for t in (reversed(range(steps)) if direction else range(steps)):

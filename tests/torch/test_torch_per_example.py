@@ -273,3 +273,33 @@ def test_layer_outputs_are_not_kept_alive_by_the_finished_graph(first):
     loss.backward()
     assert outputs[0]() is None
     assert engine.sq_norms(list(engine.params)).shape == (6, len(engine.params))
+
+
+class Checkpointed(nn.Module):
+    """A middle block under activation checkpointing (its forward runs again in the backward)."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(5, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.a(x))
+        h = checkpoint(lambda t: torch.tanh(self.b(t)), h, use_reentrant=self.reentrant)
+        return self.c(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_matches_the_oracle(reentrant):
+    """The recomputed forward runs during the backward pass; it is not a second batch."""
+    gen = torch.Generator().manual_seed(4)
+    torch.manual_seed(4)
+    model = Checkpointed(reentrant).double()
+    x = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,), generator=gen)
+    expected = oracle(copy.deepcopy(model), x, y)
+    got = run_engine(model, x, y, "sum").per_example_grads()
+    for n in expected:
+        assert close(got[n], expected[n]), n

@@ -289,3 +289,20 @@ def test_whole_model_vmap_of_a_fused_lstm_points_to_mode_auto():
     F.cross_entropy(model(x), y, reduction="sum").backward()
     with pytest.raises(RuntimeError, match="mode='auto'"):
         engine.sq_norms(list(engine.params))
+
+
+def test_a_nan_record_is_dropped_from_an_lstm_step():
+    torch.manual_seed(7)
+    model = Classifier(nn.LSTM(D_IN, 4, num_layers=2, bidirectional=True, batch_first=True))
+    x, y = batch(8, seed=3)
+    x = x.float()
+    x[2, 1, 0] = float("nan")
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, opt, _ = make_private(model, opt, DataLoader(TensorDataset(x, y), batch_size=8),
+                                 noise_multiplier=0.0, max_grad_norm=1.0, seed=0,
+                                 on_nonfinite="drop")
+    before = [p.detach().clone() for p in model.parameters()]
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all((p != b).any() for p, b in zip(model.parameters(), before))

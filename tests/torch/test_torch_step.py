@@ -296,3 +296,45 @@ def test_make_private_raises_on_or_drops_a_nan_record(policy):
     opt.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert any((p != b).any() for p, b in zip(model.parameters(), before))
+
+
+def test_two_backward_passes_in_one_step_are_refused_before_any_release():
+    """Gradient accumulation over two batches would pair row i of each as one record (twice
+    the sensitivity): the step refuses before any sum is released or recorded."""
+    from dpcore_torch import AccumulationError
+
+    ds = data()
+    model = mlp()
+    model, opt, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 DataLoader(ds, batch_size=8), noise_multiplier=1.0,
+                                 max_grad_norm=1.0, seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = ds.tensors
+    for rows in (slice(0, 8), slice(8, 16)):
+        F.cross_entropy(model(x[rows]), y[rows]).backward()
+    with pytest.raises(AccumulationError, match="optimizer.step"):
+        opt.step()
+    assert [type(e).__name__ for e in opt.ledger.events] == ["SamplingEvent"]
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    opt.zero_grad()  # the next step works
+    F.cross_entropy(model(x[:8]), y[:8]).backward()
+    opt.step()
+    assert len(opt.ledger.steps()) == 2
+
+
+def test_a_forward_after_the_backward_that_is_never_back_propagated_changes_nothing():
+    ds = data()
+    x, y = ds.tensors[0][:8], ds.tensors[1][:8]
+    results = []
+    for evaluate in (False, True):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt, _ = make_private(model, opt, DataLoader(ds, batch_size=8),
+                                     noise_multiplier=0.0, max_grad_norm=1.0, seed=0)
+        F.cross_entropy(model(x), y).backward()
+        if evaluate:  # e.g. a metric on other data, gradients still enabled
+            F.cross_entropy(model(ds.tensors[0][8:]), ds.tensors[1][8:])
+        opt.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
