@@ -1,7 +1,8 @@
 """dpcore_torch: the PyTorch backend of dpcore.
 
 * :func:`make_private` - model, optimizer and loader in, private ones out (the Opacus-style path);
-* :class:`PerExampleEngine` + :func:`private_grads` - the functional step for custom loops;
+* :class:`PerExampleEngine` + :func:`private_grads` - the functional step for custom loops
+  (:func:`clip_into` to accumulate a Poisson sample over micro-batches);
 * :func:`poisson_loader` - Poisson-sampled batches (empty batches included);
 * :class:`TorchBackend` - the dpcore backend contract (``dpcore.get_backend("torch")``).
 
@@ -19,7 +20,7 @@ _HOME = {
     "PerExampleEngine": "engine",
     "PrivateOptimizer": "optimizer",
     "build_mechanism": "privacy", "make_private": "privacy",
-    "private_grads": "step",
+    "clip_into": "step", "private_grads": "step",
 }
 
 __all__ = sorted(_HOME)

@@ -80,9 +80,9 @@ def _check_one_backward(unit) -> None:
         raise AccumulationError(
             f"{type(unit.module).__name__} was back-propagated in two backward passes since "
             f"the last step (gradient accumulation). dpcore clips each example within one "
-            f"backward pass: call optimizer.step() (or private_grads) after every backward, "
-            f"or give the step one batch (in a custom loop: one Poisson sample, one forward, "
-            f"one backward)")
+            f"backward pass: for a Poisson sample split into micro-batches, call "
+            f"optimizer.accumulate() (in a custom loop: dpcore_torch.step.clip_into) after "
+            f"each micro-batch's backward pass and optimizer.step() once per sample")
 
 
 class _RuleUnit:

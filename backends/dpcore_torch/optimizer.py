@@ -1,9 +1,10 @@
 """A wrapper that makes any torch optimizer private.
 
 ``step()`` replaces every trainable parameter's ``.grad`` by the private average gradient of the
-step (:func:`dpcore_torch.step.private_grads`), records the step's sampling event and sum
-queries in the ledger, then runs the wrapped optimizer's own ``step()``: the update is
+step (:func:`dpcore_torch.step.clip_into`, then the release), records the step's sampling event
+and sum queries in the ledger, then runs the wrapped optimizer's own ``step()``: the update is
 post-processing of the private release, so momentum, Adam or weight decay cost no privacy.
+``accumulate()`` clips a micro-batch of the step's Poisson sample into it without releasing.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from dpcore import PrivateAggregator
 
 from .engine import PerExampleEngine
-from .step import private_grads
+from .step import clip_into
 
 
 class PrivateOptimizer(torch.optim.Optimizer):
@@ -38,6 +39,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         self.defaults = optimizer.defaults
         self.engine, self.aggregator = engine, aggregator
+        self._pending = None  # (noise draws, clip factors) of a step being accumulated
 
     @property
     def ledger(self):
@@ -57,13 +59,35 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self.engine.clear()
 
     @torch.no_grad()
+    def accumulate(self) -> None:
+        """Clip the examples of the backward pass just run into the current step without
+        releasing it: for a Poisson sample split into micro-batches that fit in memory, call
+        this after each micro-batch's backward pass and :meth:`step` once at the end. The
+        sample's sampling event is written at its first micro-batch; the noise is drawn once
+        and the sums added into it. If a micro-batch raises (a NaN record), the step is
+        abandoned: nothing is released."""
+        if self._pending is None:
+            self.aggregator.begin_step()
+            self._pending = (self.aggregator.noise_draws(self.engine.params), [])
+        draws, factors = self._pending
+        try:
+            factors.append(clip_into(self.engine, self.aggregator, draws))
+        except BaseException:
+            self._pending = None
+            raise
+
+    @torch.no_grad()
     def step(self, closure=None):
-        """One private step (one Poisson sample): clip, sum, noise, ledger, then update."""
+        """One private step (one Poisson sample): clip, sum, noise, ledger, then update; the
+        examples of the last backward pass join any :meth:`accumulate`-d micro-batches."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads = private_grads(self.engine, self.aggregator, begin_step=True)
+        self.accumulate()
+        (draws, factors), self._pending = self._pending, None
+        factors = factors[0] if len(factors) == 1 else torch.cat(factors)
+        grads = self.aggregator.release_noisy_sums(draws, factors=factors)
         for name, p in self.engine.params.items():
             p.grad = grads[name]
         self.original_optimizer.step()

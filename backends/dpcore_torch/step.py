@@ -12,6 +12,8 @@ Given the engine's per-example squared norms (B, L) and the aggregator's mechani
 
 The step's sampling event must be in the ledger first (``aggregator.sample()`` or
 ``aggregator.begin_step()``); :func:`private_grads` records it when ``begin_step=True``.
+A Poisson sample too large for memory is split into micro-batches: :func:`clip_into` after
+each one's backward pass adds its clipped sums into the same draws, released once.
 """
 
 from __future__ import annotations
@@ -35,18 +37,26 @@ def private_grads(engine: PerExampleEngine, aggregator: PrivateAggregator, loss=
         loss.backward()
     if begin_step:  # first: the step's mechanism (its clips may move) is fixed from here on
         aggregator.begin_step()
+    noisy_sums = aggregator.noise_draws(engine.params)
+    factors = clip_into(engine, aggregator, noisy_sums)
+    return aggregator.release_noisy_sums(noisy_sums, factors=factors)
+
+
+def clip_into(engine: PerExampleEngine, aggregator: PrivateAggregator, noisy_sums):
+    """Add the clipped sums of the examples of the backward pass just run into ``noisy_sums``
+    (the step's :meth:`~dpcore.PrivateAggregator.noise_draws`) and return their clip factors
+    (B, G); the engine is cleared. Called once per micro-batch, it accumulates one Poisson
+    sample's sums over several backward passes; the release follows once."""
     mechanism = aggregator.mechanism
-    leaves = mechanism.leaves
     mechanism.check_leaves(engine.params)
     try:
-        sq_norms = engine.sq_norms(leaves)
+        sq_norms = engine.sq_norms(mechanism.leaves)
         factors = aggregator.clip_factors(sq_norms)
         if aggregator.on_nonfinite == "drop":  # dropped records: factor 0, and zeroed values
             finite = torch.isfinite(sq_norms).all(1)
             if not bool(finite.all()):
                 engine.keep_records(finite)
-        noisy_sums = aggregator.noise_draws(engine.params)
         engine.add_clipped_sums(factors, mechanism.group_index, noisy_sums)
     finally:
         engine.clear()  # free the kept activations and backprops
-    return aggregator.release_noisy_sums(noisy_sums, factors=factors)
+    return factors

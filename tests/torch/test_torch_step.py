@@ -338,3 +338,35 @@ def test_a_forward_after_the_backward_that_is_never_back_propagated_changes_noth
         results.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("policy", [None, "adaptive"])
+def test_a_sample_accumulated_over_micro_batches_is_the_same_step(policy):
+    """Micro-batches of 3, 3 and 2 rows of one sample of 8, each clipped into the step by
+    accumulate(), then step(): the same update as the sample in one batch, with the noise
+    drawn once (same seed), one sampling event and one release in the ledger, and (adaptive
+    clipping) the same count query, so the same next clip."""
+    ds = data()
+    x, y = ds.tensors[0][:8], ds.tensors[1][:8]
+    runs = []
+    for split in ([8], [3, 3, 2]):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt, _ = make_private(model, opt, DataLoader(ds, batch_size=8),
+                                     noise_multiplier=0.6, max_grad_norm=2.0, seed=0,
+                                     clip_policy=policy)
+        for _ in range(2):
+            for rows in torch.arange(8).split(split):
+                opt.zero_grad()
+                F.cross_entropy(model(x[rows]), y[rows]).backward()
+                if rows[-1] != 7:  # the last micro-batch joins in step()
+                    opt.accumulate()
+            opt.step()
+        kinds = [type(e).__name__ for e in opt.ledger.events]
+        runs.append(([p.detach().clone() for p in model.parameters()], kinds,
+                     opt.aggregator.mechanism.groups[0].clip))
+    (one, kinds_one, clip_one), (micro, kinds_micro, clip_micro) = runs
+    for a, b in zip(one, micro):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert kinds_one == kinds_micro and kinds_one.count("SamplingEvent") == 2
+    assert clip_one == pytest.approx(clip_micro, rel=1e-9)
