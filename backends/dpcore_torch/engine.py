@@ -69,20 +69,18 @@ def _refuse_training_batchnorm(name: str):
     return refuse
 
 
-def _check_one_backward(unit) -> None:
-    """Raise :class:`AccumulationError` if a call of ``unit`` that the backward pass reached
-    was made after a backward pass had reached another of its calls: two batches, two
-    backward passes, one step. Pairing row i of the two batches as one example would clip
-    two records together (twice the sensitivity). Calls made after a backward pass and never
-    back-propagated (an evaluation forward with gradients on) contribute zero and pass."""
-    reached = [call for call in unit.calls if call.reached]
-    if reached and max(c.born for c in reached) > min(c.reached_at for c in reached):
-        raise AccumulationError(
-            f"{type(unit.module).__name__} was back-propagated in two backward passes since "
-            f"the last step (gradient accumulation). dpcore clips each example within one "
-            f"backward pass: for a Poisson sample split into micro-batches, call "
-            f"optimizer.accumulate() (in a custom loop: dpcore_torch.step.clip_into) after "
-            f"each micro-batch's backward pass and optimizer.step() once per sample")
+def _accumulation_error(unit) -> AccumulationError:
+    """For a unit with a back-propagated call made after a backward pass had reached another
+    of its calls: two batches, two backward passes, one step. Pairing row i of the two batches
+    as one example would clip two records together (twice the sensitivity). Calls made after
+    a backward pass and never back-propagated (an evaluation forward with gradients on)
+    contribute zero and pass."""
+    return AccumulationError(
+        f"{type(unit.module).__name__} was back-propagated in two backward passes since the "
+        f"last step (gradient accumulation). dpcore clips each example within one backward "
+        f"pass: for a Poisson sample split into micro-batches, call optimizer.accumulate() "
+        f"(in a custom loop: dpcore_torch.step.clip_into) after each micro-batch's backward "
+        f"pass and optimizer.step() once per sample")
 
 
 class _RuleUnit:
@@ -214,14 +212,18 @@ class PerExampleEngine:
         contributions: dict[str, list] = {leaf: [] for leaf in self.params}
         sizes, unreached = set(), set()
         for unit in self.units:
-            _check_one_backward(unit)
+            born, reached = -1, None  # the unit's latest call and first backprop
             for call in unit.calls:
                 if not call.reached:  # output unused by the loss: contributes zero
                     unreached.add(call.batch_size)
                     continue
                 sizes.add(call.batch_size)
+                born = max(born, call.born)
+                reached = call.reached_at if reached is None else min(reached, call.reached_at)
                 for key, leaf in unit.names.items():
                     contributions[leaf].append((unit, call, key))
+            if reached is not None and born > reached:
+                raise _accumulation_error(unit)
         sizes = sizes or unreached  # nothing reached: all per-example gradients are zero
         if len(sizes) > 1:
             raise ValueError(f"the layers saw batches of different sizes {sorted(sizes)} in one "

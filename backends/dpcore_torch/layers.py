@@ -41,6 +41,15 @@ def keep_rows(t, keep):
     return torch.where(keep.reshape(-1, *[1] * (t.dim() - 1)), t, 0)
 
 
+def cast_like(t, like):
+    """Floating tensor ``t`` in the dtype of ``like`` (a tensor or a dtype); other tensors as
+    they are."""
+    dtype = like if isinstance(like, torch.dtype) else like.dtype
+    if t.dtype == dtype or not t.is_floating_point():  # the common case costs no call
+        return t
+    return t.to(dtype)
+
+
 _CLOCK = itertools.count()
 
 
@@ -110,9 +119,9 @@ class _Linear(torch.autograd.Function):
         shape, weight = ctx.shape, ctx.saved_tensors[0]
         if len(shape) != 2:
             g = g.reshape(*shape[:-1], g.shape[-1])
-        ctx.use.arrive(g.to(weight.dtype))
+        ctx.use.arrive(cast_like(g, weight))
         ctx.use = None  # the graph may outlive the step: keep no reference
-        gx = g.matmul(weight.to(g.dtype)) if ctx.needs_input_grad[1] else None
+        gx = g.matmul(cast_like(weight, g)) if ctx.needs_input_grad[1] else None
         return None, gx, None, None
 
 
@@ -127,12 +136,12 @@ class _Conv(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         weight = ctx.saved_tensors[0]
-        ctx.use.arrive(g.to(weight.dtype))
+        ctx.use.arrive(cast_like(g, weight))
         ctx.use = None  # the graph may outlive the step: keep no reference
         gx = None
         if ctx.needs_input_grad[1]:
             conv_input = conv1d_input if len(ctx.shape) == 3 else conv2d_input
-            gx = conv_input(ctx.shape, weight.to(g.dtype), g, *ctx.conf)
+            gx = conv_input(ctx.shape, cast_like(weight, g), g, *ctx.conf)
         return None, gx, None, None, None, None, None, None
 
 
@@ -161,7 +170,7 @@ class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, mean, rstd, weight, bias = ctx.saved_tensors
-        ctx.use.arrive(g.to(ctx.dtype))
+        ctx.use.arrive(cast_like(g, ctx.dtype))
         ctx.use = None  # the graph may outlive the step: keep no reference
         gx = None
         if ctx.needs_input_grad[1]:
@@ -184,7 +193,7 @@ class _GroupNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, mean, rstd, weight = ctx.saved_tensors
-        ctx.use.arrive(g.to(ctx.dtype))
+        ctx.use.arrive(cast_like(g, ctx.dtype))
         ctx.use = None  # the graph may outlive the step: keep no reference
         gx = None
         if ctx.needs_input_grad[1]:
@@ -250,11 +259,6 @@ class Rule:
 
     def add_weighted_sum(self, module, use, name, c, out) -> None:
         add_contraction(out, c, self.cached_grad(module, use, name))
-
-
-def cast_like(t, like):
-    """Floating tensor ``t`` in ``like``'s dtype (other tensors as they are)."""
-    return t.to(like.dtype) if t.is_floating_point() else t
 
 
 def _record(use_list, x, like, aux=None) -> Use:

@@ -77,10 +77,10 @@ class _StepLinear(torch.autograd.Function):
     def backward(ctx, g):
         weight = ctx.saved_tensors[0]
         steps, ctx.steps = ctx.steps, None  # the graph may outlive the step
-        steps.gs[ctx.k] = g.to(weight.dtype)
+        steps.gs[ctx.k] = cast_like(g, weight)
         if steps.reached_at is None:
             steps.reached_at = tick()
-        gu = g.matmul(weight.to(g.dtype)) if ctx.needs_input_grad[2] else None
+        gu = g.matmul(cast_like(weight, g)) if ctx.needs_input_grad[2] else None
         return None, None, gu, None, None
 
 
