@@ -125,8 +125,9 @@ class RecurrentCall:
 
 
 class RecurrentRule(Rule):
-    """nn.RNN, nn.GRU and nn.LSTM (``batch_first=True``) on (B, T, d) tensors; parameter
-    ``weight_hh_l0_reverse`` is the weight of map ``hh_l0_reverse``."""
+    """nn.RNN, nn.GRU and nn.LSTM (``batch_first=True``) on (B, T, d) tensors or packed
+    sequences, and their cells on (B, d); parameter ``weight_hh_l0_reverse`` is the weight of
+    map ``hh_l0_reverse``."""
 
     def forward(self, module, use_list, args, kwargs):
         cell = isinstance(module, nn.RNNCellBase)
