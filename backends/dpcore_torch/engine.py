@@ -218,8 +218,10 @@ class PerExampleEngine:
                     unreached.add(call.batch_size)
                     continue
                 sizes.add(call.batch_size)
-                born = max(born, call.born)
-                reached = call.reached_at if reached is None else min(reached, call.reached_at)
+                if call.born > born:
+                    born = call.born
+                if reached is None or call.reached_at < reached:
+                    reached = call.reached_at
                 for key, leaf in unit.names.items():
                     contributions[leaf].append((unit, call, key))
             if reached is not None and born > reached:

@@ -23,7 +23,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten
 
-from .layers import cast_like, keep_rows, tick
+from .layers import cast_to, keep_rows, tick
 
 _state = threading.local()
 
@@ -147,9 +147,9 @@ class FallbackUnit:
 
         # replayed in the parameters' precision (inputs and backprops of an autocast forward
         # may be lower), as the layer rules form their gradients
-        like = next(iter(params.values()))
-        tensors = [cast_like(call.args[i], like) for i in positions]
-        backprops = [None if g is None else cast_like(g, like) for g in call.g]
+        dtype = next(iter(params.values())).dtype
+        tensors = [cast_to(call.args[i], dtype) for i in positions]
+        backprops = [None if g is None else cast_to(g, dtype) for g in call.g]
         dims = [None if g is None else 0 for g in call.g]
         with torch.no_grad(), warnings.catch_warnings():  # the result is data, no graph
             warnings.filterwarnings("ignore", "There is a performance drop")  # expected here

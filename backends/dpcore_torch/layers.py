@@ -41,23 +41,17 @@ def keep_rows(t, keep):
     return torch.where(keep.reshape(-1, *[1] * (t.dim() - 1)), t, 0)
 
 
-def cast_like(t, like):
-    """Floating tensor ``t`` in the dtype of ``like`` (a tensor or a dtype); other tensors as
-    they are."""
-    dtype = like if isinstance(like, torch.dtype) else like.dtype
-    if t.dtype == dtype or not t.is_floating_point():  # the common case costs no call
+def cast_to(t, dtype):
+    """Floating tensor ``t`` in ``dtype``; other tensors as they are."""
+    if t.dtype == dtype or not t.is_floating_point():  # the common case costs no torch call
         return t
     return t.to(dtype)
 
 
-_CLOCK = itertools.count()
-
-
-def tick() -> int:
-    """A number larger than every earlier one: when a call was made or first reached by a
-    backward pass (the engine refuses a step whose calls were made after a backward pass that
-    reached the same layer, i.e. gradients accumulated over several backward passes)."""
-    return next(_CLOCK)
+#: ``tick()``: a number larger than every earlier one, for when a call was made or first
+#: reached by a backward pass (the engine refuses a step whose calls were made after a
+#: backward pass reached the same layer: gradients accumulated over several backward passes).
+tick = itertools.count().__next__
 
 
 class Use:
@@ -119,9 +113,9 @@ class _Linear(torch.autograd.Function):
         shape, weight = ctx.shape, ctx.saved_tensors[0]
         if len(shape) != 2:
             g = g.reshape(*shape[:-1], g.shape[-1])
-        ctx.use.arrive(cast_like(g, weight))
+        ctx.use.arrive(cast_to(g, weight.dtype))
         ctx.use = None  # the graph may outlive the step: keep no reference
-        gx = g.matmul(cast_like(weight, g)) if ctx.needs_input_grad[1] else None
+        gx = g.matmul(cast_to(weight, g.dtype)) if ctx.needs_input_grad[1] else None
         return None, gx, None, None
 
 
@@ -136,12 +130,12 @@ class _Conv(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         weight = ctx.saved_tensors[0]
-        ctx.use.arrive(cast_like(g, weight))
+        ctx.use.arrive(cast_to(g, weight.dtype))
         ctx.use = None  # the graph may outlive the step: keep no reference
         gx = None
         if ctx.needs_input_grad[1]:
             conv_input = conv1d_input if len(ctx.shape) == 3 else conv2d_input
-            gx = conv_input(ctx.shape, cast_like(weight, g), g, *ctx.conf)
+            gx = conv_input(ctx.shape, cast_to(weight, g.dtype), g, *ctx.conf)
         return None, gx, None, None, None, None, None, None
 
 
@@ -170,7 +164,7 @@ class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, mean, rstd, weight, bias = ctx.saved_tensors
-        ctx.use.arrive(cast_like(g, ctx.dtype))
+        ctx.use.arrive(cast_to(g, ctx.dtype))
         ctx.use = None  # the graph may outlive the step: keep no reference
         gx = None
         if ctx.needs_input_grad[1]:
@@ -193,7 +187,7 @@ class _GroupNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, mean, rstd, weight = ctx.saved_tensors
-        ctx.use.arrive(cast_like(g, ctx.dtype))
+        ctx.use.arrive(cast_to(g, ctx.dtype))
         ctx.use = None  # the graph may outlive the step: keep no reference
         gx = None
         if ctx.needs_input_grad[1]:
@@ -261,11 +255,16 @@ class Rule:
         add_contraction(out, c, self.cached_grad(module, use, name))
 
 
-def _record(use_list, x, like, aux=None) -> Use:
+def _dtype(module):
+    """The dtype of a norm layer's parameters (weight, or bias alone)."""
+    return (module.weight if module.weight is not None else module.bias).dtype
+
+
+def _record(use_list, x, dtype, aux=None) -> Use:
     """A new Use of x, kept in the dtype of parameter ``like`` (under autocast, a layer's
     input and backprop may be lower precision than its parameters: per-example gradients,
     norms and sums are formed in the parameters' precision)."""
-    use = Use(cast_like(x.detach(), like), aux)
+    use = Use(cast_to(x.detach(), dtype), aux)
     use_list.append(use)
     return use
 
@@ -282,7 +281,8 @@ class LinearRule(Rule):
 
     def forward(self, module, use_list, args, kwargs):
         (x,) = args
-        out = _Linear.apply(_record(use_list, x, module.weight), x, module.weight, module.bias)
+        weight = module.weight
+        out = _Linear.apply(_record(use_list, x, weight.dtype), x, weight, module.bias)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
 
     def grad(self, module, use, name):
@@ -358,7 +358,7 @@ class ConvRule(Rule):
         if widths is not None:
             mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
             x = F.pad(x, widths, mode=mode)
-        use = _record(use_list, x, module.weight, aux=padding)
+        use = _record(use_list, x, module.weight.dtype, aux=padding)
         return _Conv.apply(use, x, module.weight, module.bias, module.stride, padding,
                            module.dilation, module.groups)
 
@@ -428,7 +428,7 @@ class EmbeddingRule(Rule):
 
     def forward(self, module, use_list, args, kwargs):
         (indices,) = args
-        use = _record(use_list, indices, module.weight)
+        use = _record(use_list, indices, module.weight.dtype)
         return _Embedding.apply(use, indices, module.weight, module.padding_idx,
                                 module.max_norm, module.norm_type, module.sparse)
 
@@ -466,7 +466,7 @@ class EmbeddingRule(Rule):
 class LayerNormRule(Rule):
     def forward(self, module, use_list, args, kwargs):
         (x,) = args
-        use = _record(use_list, x, module.weight if module.weight is not None else module.bias)
+        use = _record(use_list, x, _dtype(module))
         return _LayerNorm.apply(use, x, module.weight, module.bias,
                                 list(module.normalized_shape), module.eps)
 
@@ -482,7 +482,7 @@ class LayerNormRule(Rule):
 class GroupNormRule(Rule):
     def forward(self, module, use_list, args, kwargs):
         (x,) = args
-        use = _record(use_list, x, module.weight if module.weight is not None else module.bias)
+        use = _record(use_list, x, _dtype(module))
         return _GroupNorm.apply(use, x, module.weight, module.bias, module.num_groups,
                                 module.eps)
 

@@ -58,7 +58,6 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self.original_optimizer.zero_grad(set_to_none)
         self.engine.clear()
 
-    @torch.no_grad()
     def accumulate(self) -> None:
         """Clip the examples of the backward pass just run into the current step without
         releasing it: for a Poisson sample split into micro-batches that fit in memory, call
@@ -66,6 +65,10 @@ class PrivateOptimizer(torch.optim.Optimizer):
         sample's sampling event is written at its first micro-batch; the noise is drawn once
         and the sums added into it. If a micro-batch raises (a NaN record), the step is
         abandoned: nothing is released."""
+        with torch.no_grad():
+            self._accumulate()
+
+    def _accumulate(self) -> None:
         if self._pending is None:
             self.aggregator.begin_step()
             self._pending = (self.aggregator.noise_draws(self.engine.params), [])
@@ -84,7 +87,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.accumulate()
+        self._accumulate()
         (draws, factors), self._pending = self._pending, None
         factors = factors[0] if len(factors) == 1 else torch.cat(factors)
         grads = self.aggregator.release_noisy_sums(draws, factors=factors)

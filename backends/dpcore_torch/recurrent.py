@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from .layers import LinearRule, Rule, Use, _Linear, cast_like, tick
+from .layers import LinearRule, Rule, Use, _Linear, cast_to, tick
 
 _LINEAR = LinearRule()
 
@@ -47,7 +47,7 @@ class _Steps:
         self.xs, self.gs, self.reached_at = [], [], None
 
     def apply(self, u, weight, bias):
-        self.xs.append(cast_like(u.detach(), weight))
+        self.xs.append(cast_to(u.detach(), weight.dtype))
         self.gs.append(None)
         return _StepLinear.apply(self, len(self.xs) - 1, u, weight, bias)
 
@@ -77,10 +77,10 @@ class _StepLinear(torch.autograd.Function):
     def backward(ctx, g):
         weight = ctx.saved_tensors[0]
         steps, ctx.steps = ctx.steps, None  # the graph may outlive the step
-        steps.gs[ctx.k] = cast_like(g, weight)
+        steps.gs[ctx.k] = cast_to(g, weight.dtype)
         if steps.reached_at is None:
             steps.reached_at = tick()
-        gu = g.matmul(cast_like(weight, g)) if ctx.needs_input_grad[2] else None
+        gu = g.matmul(cast_to(weight, g.dtype)) if ctx.needs_input_grad[2] else None
         return None, None, gu, None, None
 
 
@@ -223,7 +223,7 @@ def _run(module, call: RecurrentCall, x, hx, lengths=None):
             suffix = f"_l{layer}" + ("_reverse" if direction else "")
             param = lambda name: getattr(module, name + suffix, None)  # noqa: E731
             w_ih = param("weight_ih")
-            use = call.maps["ih" + suffix] = Use(cast_like(x.detach(), w_ih))
+            use = call.maps["ih" + suffix] = Use(cast_to(x.detach(), w_ih.dtype))
             a = _Linear.apply(use, x, w_ih, param("bias_ih")).reshape(b, steps, w_ih.shape[0])
             hh = call.maps["hh" + suffix] = _Steps()
             hr = None
@@ -265,8 +265,8 @@ def _step(module, call: RecurrentCall, x, hx):
     else:
         h, c = hx if lstm else (hx, None)
     maps = call.maps
-    maps["ih"] = Use(cast_like(x.detach(), module.weight_ih))
-    maps["hh"] = Use(cast_like(h.detach(), module.weight_hh))
+    maps["ih"] = Use(cast_to(x.detach(), module.weight_ih.dtype))
+    maps["hh"] = Use(cast_to(h.detach(), module.weight_hh.dtype))
     a = _Linear.apply(maps["ih"], x, module.weight_ih, module.bias_ih)
     r = _Linear.apply(maps["hh"], h, module.weight_hh, module.bias_hh)
     h, c = _cell(module, a, r, (h, c), lstm, gru)
