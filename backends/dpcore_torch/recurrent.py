@@ -231,11 +231,13 @@ def _run(module, call: RecurrentCall, x, hx, lengths=None):
                 hr = call.maps["hr" + suffix] = _Steps()
             state = h0[layer * dirs + direction], (c0[layer * dirs + direction] if lstm else None)
             ys = [None] * steps
+            a_t = a.unbind(1)  # one backward node for all steps (a[:, t] would be one each)
+            w_hh, b_hh, w_hr = param("weight_hh"), param("bias_hh"), param("weight_hr")
             for t in (reversed(range(steps)) if direction else range(steps)):
-                r = hh.apply(state[0], param("weight_hh"), param("bias_hh"))
-                new = _cell(module, a[:, t], r, state, lstm, gru)
+                r = hh.apply(state[0], w_hh, b_hh)
+                new = _cell(module, a_t[t], r, state, lstm, gru)
                 if hr is not None:
-                    new = hr.apply(new[0], param("weight_hr"), None), new[1]
+                    new = hr.apply(new[0], w_hr, None), new[1]
                 if live is not None:
                     new = tuple(None if n is None else torch.where(live[:, t, None], n, s)
                                 for n, s in zip(new, state))
