@@ -43,6 +43,15 @@ def leaf_names(model: keras.layers.Layer) -> list[str]:
     return names
 
 
+def _cast(structure, dtype):
+    """Every floating tensor of ``structure`` in ``dtype`` (indices and settings stay)."""
+    def cast(t):
+        if tf.is_tensor(t) and t.dtype.is_floating and t.dtype != dtype:
+            return tf.cast(t, dtype)
+        return t
+    return tf.nest.map_structure(cast, structure)
+
+
 class ClippedGradients:
     """Clip factors and clipped sums of ``model``'s per-example gradients (see module doc).
 
@@ -99,8 +108,12 @@ class ClippedGradients:
         kernel_mode = self.mode if self.mode in lg.MODES else "auto"
         for key, (layer, tap) in self.plan.items():
             if key in recorder.saved:
-                saved = [s for s, _ in recorder.saved[key]]
-                objects.update(tap.grads(layer, saved, by_layer[key], kernel_mode))
+                # under a mixed-precision policy, in the variables' dtype: the norms are then
+                # those of the very gradients that are summed
+                dtype = layer.variable_dtype
+                saved = [_cast(s, dtype) for s, _ in recorder.saved[key]]
+                gs = [_cast(g, dtype) for g in by_layer[key]]
+                objects.update(tap.grads(layer, saved, gs, kernel_mode))
         if self.fallback:
             jac = tape.jacobian(masked, self.fallback, experimental_use_pfor=True,
                                 unconnected_gradients=tf.UnconnectedGradients.ZERO)

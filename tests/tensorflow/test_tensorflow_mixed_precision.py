@@ -1,0 +1,69 @@
+"""Mixed precision (Keras ``mixed_bfloat16``): layers compute in bfloat16 and keep float32
+variables; per-example gradients, norms and sums are formed in float32, against the same
+model run one example at a time under the same policy."""
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+from dpcore_tensorflow import make_private  # noqa: E402
+from dpcore_tensorflow.bookkeeping import ClippedGradients  # noqa: E402
+
+L = keras.layers
+BF16_TOL = 2e-2  # bfloat16 keeps 8 significant bits (relative rounding 2^-9); many roundings
+
+
+@pytest.fixture
+def mixed_bfloat16():
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    yield
+    keras.mixed_precision.set_global_policy(previous)
+
+
+def model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((6,), dtype="int32"), L.Embedding(12, 4), L.Conv1D(8, 3),
+        L.LayerNormalization(), L.Flatten(), L.Dense(8, activation="tanh"),
+        L.Dense(3, dtype="float32")])  # logits in float32, as Keras recommends
+
+
+def loss(y, out):
+    return keras.losses.sparse_categorical_crossentropy(y, out, from_logits=True)
+
+
+def data(n=6):
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 12, (n, 6)).astype("int32"), rng.integers(0, 3, (n,))
+
+
+def test_per_example_gradients_are_float32_and_match_one_example_at_a_time(mixed_bfloat16):
+    net = model()
+    assert net.layers[1].compute_dtype == "bfloat16"
+    x, y = data()
+    got = ClippedGradients(net).per_example_grads(tf.constant(x), tf.constant(y), loss)
+    for i in range(len(x)):
+        with tf.GradientTape() as tape:
+            one = loss(tf.constant(y[i:i + 1]), net(tf.constant(x[i:i + 1]), training=True))
+        for v, g in zip(net.trainable_variables, tape.gradient(one, net.trainable_variables)):
+            want = tf.convert_to_tensor(g).numpy().astype(np.float32)
+            assert got[v.path].dtype == tf.float32, v.path
+            err = np.abs(got[v.path][i].numpy() - want).max()
+            assert err <= BF16_TOL * max(np.abs(want).max(), 1e-6), (v.path, i)
+
+
+def test_a_private_fit_runs_under_the_policy(mixed_bfloat16):
+    net = model()
+    before = [v.numpy().copy() for v in net.trainable_variables]
+    x, y = data(32)
+    private = make_private(net, n=len(x), batch_size=8, max_grad_norm=1.0,
+                           noise_multiplier=1.0)
+    private.compile(optimizer=keras.optimizers.SGD(0.1),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    private.fit(x, y, epochs=1, verbose=0)
+    assert len(private.aggregator.ledger.steps()) == 1
+    after = [v.numpy() for v in net.trainable_variables]
+    assert all(np.isfinite(a).all() and (a != b).any() for a, b in zip(after, before))
