@@ -35,6 +35,12 @@ class EveryRule(nn.Module):
         return self.fc(h.mean(1))
 
 
+def tokens(size, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 20, (size, 5), generator=gen),
+            torch.randint(0, 3, (size,), generator=gen))
+
+
 def loss_under_autocast(model, k, y):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(k)
@@ -46,8 +52,7 @@ def test_per_example_gradients_and_norms_are_float32_and_match_autocast_one_at_a
     torch.manual_seed(0)
     model = EveryRule()
     plain = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(1)
-    k, y = torch.randint(0, 20, (6, 5), generator=gen), torch.randint(0, 3, (6,), generator=gen)
+    k, y = tokens(6, seed=1)
     engine = PerExampleEngine(model, loss_reduction="sum")
     loss_under_autocast(model, k, y).backward()
     names = list(engine.params)
@@ -71,8 +76,7 @@ def test_a_private_step_under_autocast_is_the_non_private_one_without_noise_and_
     torch.manual_seed(2)
     model = EveryRule()
     twin = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(3)
-    k, y = torch.randint(0, 20, (8, 5), generator=gen), torch.randint(0, 3, (8,), generator=gen)
+    k, y = tokens(8, seed=3)
     opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, twin))
     model, opt, _ = make_private(model, opt, DataLoader(TensorDataset(k, y), batch_size=8),
                                  noise_multiplier=0.0, max_grad_norm=1e6, seed=0,

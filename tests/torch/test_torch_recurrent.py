@@ -96,6 +96,24 @@ def batch(size, seed=0):
             torch.randint(0, CLASSES, (size,), generator=gen))
 
 
+def assert_matches(engine, expected, groups=2):
+    """Norms, per-example gradients and clipped sums of ``engine`` (after its backward pass)
+    against the oracle's per-example gradients ``expected`` (tensors or lists of rows)."""
+    names = list(engine.params)
+    want = {n: expected[n] if isinstance(expected[n], torch.Tensor) else torch.stack(expected[n])
+            for n in names}
+    assert close(engine.sq_norms(names),
+                 torch.stack([want[n].flatten(1).pow(2).sum(1) for n in names], 1))
+    got = engine.per_example_grads()
+    for n in names:
+        assert close(got[n], want[n]), n
+    factors = torch.rand(len(want[names[0]]), groups, dtype=torch.float64)
+    assignment = {n: i % groups for i, n in enumerate(names)}
+    sums = engine.clipped_sums(factors, assignment)
+    for n in names:
+        assert close(sums[n], torch.einsum("b,b...->...", factors[:, assignment[n]], want[n])), n
+
+
 def engine_after_backward(model, x, y, reduction, prefer="memory"):
     engine = PerExampleEngine(model, loss_reduction=reduction, prefer=prefer)
     model.zero_grad()
@@ -114,22 +132,12 @@ def test_per_example_grads_norms_and_sums_match_the_fused_layer(layer, size, red
     engine = engine_after_backward(model, x, y, reduction)
     names = list(engine.params)
     assert any(".weight_hh_l0" in n for n in names)
-    got = engine.per_example_grads()
-    norms = engine.sq_norms(names)
-    assert norms.shape == (size, len(names))
     if not size:
-        assert all(got[n].shape == (0, *engine.params[n].shape) for n in names)
+        assert engine.sq_norms(names).shape == (0, len(names))
+        assert all(g.shape == (0, *engine.params[n].shape)
+                   for n, g in engine.per_example_grads().items())
         return
-    expected = oracle(plain, x, y)
-    for n in names:
-        assert close(got[n], expected[n]), n
-    assert close(norms, torch.stack([expected[n].flatten(1).pow(2).sum(1) for n in names], 1))
-    factors = torch.rand(size, 2, dtype=torch.float64)
-    groups = {n: i % 2 for i, n in enumerate(names)}
-    sums = engine.clipped_sums(factors, groups)
-    for n in names:
-        want = torch.einsum("b,b...->...", factors[:, groups[n]], expected[n])
-        assert close(sums[n], want), n
+    assert_matches(engine, oracle(plain, x, y))
 
 
 @pytest.mark.parametrize("layer", sorted(LAYERS))
@@ -155,12 +163,7 @@ def test_steps_the_loss_never_reaches_contribute_zero(prefer):
     x, y = batch(5)
     expected = oracle(copy.deepcopy(model), x, y)
     engine = engine_after_backward(model, x, y, "sum", prefer)
-    got = engine.per_example_grads()
-    names = list(engine.params)
-    for n in names:
-        assert close(got[n], expected[n]), n
-    assert close(engine.sq_norms(names),
-                 torch.stack([expected[n].flatten(1).pow(2).sum(1) for n in names], 1))
+    assert_matches(engine, expected)
 
 
 @pytest.mark.parametrize("cell", sorted(CELLS))
@@ -174,23 +177,14 @@ def test_cells_called_at_every_step_match_the_fused_cell(cell, size, reduction):
     x, y = batch(size, seed=size + 1)
     plain = copy.deepcopy(model)
     engine = engine_after_backward(model, x, y, reduction)
-    names = list(engine.params)
-    norms = engine.sq_norms(names)
+    norms = engine.sq_norms(list(engine.params))
     cell_unit = next(u for u in engine.units if u.module is model.cell)
     assert len(cell_unit.calls) == STEPS
     assert not any(part.cache for call in cell_unit.calls for part in call.maps.values())
-    got = engine.per_example_grads()
     if not size:
-        assert norms.shape == (0, len(names))
+        assert norms.shape == (0, len(engine.params))
         return
-    expected = oracle(plain, x, y)
-    for n in names:
-        assert close(got[n], expected[n]), n
-    assert close(norms, torch.stack([expected[n].flatten(1).pow(2).sum(1) for n in names], 1))
-    factors = torch.rand(size, 1, dtype=torch.float64)
-    sums = engine.clipped_sums(factors, {n: 0 for n in names})
-    for n in names:
-        assert close(sums[n], torch.einsum("b,b...->...", factors[:, 0], expected[n])), n
+    assert_matches(engine, oracle(plain, x, y), groups=1)
 
 
 class Packed(nn.Module):
@@ -241,12 +235,7 @@ def test_packed_sequences_match_the_fused_layer_one_sequence_at_a_time(layer):
     engine.clear()
     model.zero_grad()
     F.cross_entropy(model(x, lengths), y, reduction="sum").backward()
-    got = engine.per_example_grads()
-    for n in got:
-        assert close(got[n], torch.stack(expected[n])), n
-    names = list(engine.params)
-    assert close(engine.sq_norms(names), torch.stack(
-        [torch.stack(expected[n]).flatten(1).pow(2).sum(1) for n in names], 1))
+    assert_matches(engine, expected)
 
 
 def test_unbatched_inputs_are_refused_with_a_fix():

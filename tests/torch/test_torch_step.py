@@ -27,6 +27,16 @@ def data(n=40):
     return TensorDataset(torch.randn(n, 6, generator=gen), torch.randint(0, 3, (n,), generator=gen))
 
 
+def private_mlp(ds, batch_size, **options):
+    """(model, private optimizer, parameters before any step) of the MLP made private with
+    z = 1, S = 1 and a fixed seed."""
+    model = mlp()
+    model, opt, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 DataLoader(ds, batch_size=batch_size), noise_multiplier=1.0,
+                                 max_grad_norm=1.0, seed=0, **options)
+    return model, opt, [p.detach().clone() for p in model.parameters()]
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("optim", [torch.optim.SGD, torch.optim.Adam])
 def test_zero_noise_and_a_large_clip_give_the_non_private_step(reduction, optim):
@@ -92,11 +102,7 @@ def test_noise_std_of_zero_gradients_is_what_the_ledger_records(clipping, width)
 
 def test_empty_batch_still_adds_noise_and_writes_the_ledger():
     ds = data()
-    model = mlp()
-    model, opt, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                 DataLoader(ds, batch_size=4), noise_multiplier=1.0,
-                                 max_grad_norm=1.0, seed=0)
-    before = [p.detach().clone() for p in model.parameters()]
+    model, opt, before = private_mlp(ds, 4)
     x, y = ds.tensors[0][:0], ds.tensors[1][:0]
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()  # nan loss: the mean of nothing
@@ -282,11 +288,7 @@ def test_make_private_raises_on_or_drops_a_nan_record(policy):
     ds = data()
     x, y = ds.tensors[0][:8].clone(), ds.tensors[1][:8]
     x[3, 2] = math.nan
-    model = mlp()
-    model, opt, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                 DataLoader(ds, batch_size=8), noise_multiplier=1.0,
-                                 max_grad_norm=1.0, seed=0, on_nonfinite=policy)
-    before = [p.detach().clone() for p in model.parameters()]
+    model, opt, before = private_mlp(ds, 8, on_nonfinite=policy)
     F.cross_entropy(model(x), y).backward()
     if policy == "raise":
         with pytest.raises(NonFiniteNormError, match=r"records \[3\]"):
@@ -304,11 +306,7 @@ def test_two_backward_passes_in_one_step_are_refused_before_any_release():
     from dpcore_torch import AccumulationError
 
     ds = data()
-    model = mlp()
-    model, opt, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                 DataLoader(ds, batch_size=8), noise_multiplier=1.0,
-                                 max_grad_norm=1.0, seed=0)
-    before = [p.detach().clone() for p in model.parameters()]
+    model, opt, before = private_mlp(ds, 8)
     x, y = ds.tensors
     for rows in (slice(0, 8), slice(8, 16)):
         F.cross_entropy(model(x[rows]), y[rows]).backward()
