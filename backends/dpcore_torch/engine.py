@@ -80,7 +80,9 @@ def _accumulation_error(unit) -> AccumulationError:
         f"last step (gradient accumulation). dpcore clips each example within one backward "
         f"pass: for a Poisson sample split into micro-batches, call optimizer.accumulate() "
         f"(in a custom loop: dpcore_torch.step.clip_into) after each micro-batch's backward "
-        f"pass and optimizer.step() once per sample")
+        f"pass and optimizer.step() once per sample. If the earlier pass was not for this "
+        f"step's gradient (torch.autograd.grad for adversarial inputs, say), call "
+        f"optimizer.zero_grad() (engine.clear()) before the training forward pass")
 
 
 class _RuleUnit:

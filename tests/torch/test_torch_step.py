@@ -368,3 +368,32 @@ def test_a_sample_accumulated_over_micro_batches_is_the_same_step(policy):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert kinds_one == kinds_micro and kinds_one.count("SamplingEvent") == 2
     assert clip_one == pytest.approx(clip_micro, rel=1e-9)
+
+
+def test_adversarial_inputs_from_autograd_grad_then_zero_grad_train_on_them_alone():
+    """A backward pass that only makes inputs (FGSM) reaches the layers too; zero_grad()
+    between it and the training forward leaves the step exactly the one on the new inputs."""
+    from dpcore_torch import AccumulationError
+
+    ds = data()
+    x, y = ds.tensors[0][:8], ds.tensors[1][:8]
+    adversarial = None
+    results = []
+    for route in ("fgsm", "direct"):
+        model, opt, _ = private_mlp(ds, 8)
+        if route == "fgsm":
+            x_in = x.clone().requires_grad_(True)
+            (grad_x,) = torch.autograd.grad(F.cross_entropy(model(x_in), y), x_in)
+            adversarial = (x + 0.1 * grad_x.sign()).detach()
+            F.cross_entropy(model(adversarial), y).backward()
+            with pytest.raises(AccumulationError, match="zero_grad"):
+                opt.step()
+            opt.zero_grad()
+            x_in = x.clone().requires_grad_(True)
+            torch.autograd.grad(F.cross_entropy(model(x_in), y), x_in)
+            opt.zero_grad()
+        F.cross_entropy(model(adversarial), y).backward()
+        opt.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
