@@ -339,11 +339,13 @@ def test_a_forward_after_the_backward_that_is_never_back_propagated_changes_noth
 
 
 @pytest.mark.parametrize("policy", [None, "adaptive"])
-def test_a_sample_accumulated_over_micro_batches_is_the_same_step(policy):
+@pytest.mark.parametrize("last", ["in step()", "accumulated too"])
+def test_a_sample_accumulated_over_micro_batches_is_the_same_step(policy, last):
     """Micro-batches of 3, 3 and 2 rows of one sample of 8, each clipped into the step by
-    accumulate(), then step(): the same update as the sample in one batch, with the noise
-    drawn once (same seed), one sampling event and one release in the ledger, and (adaptive
-    clipping) the same count query, so the same next clip."""
+    accumulate() (the last one by step() itself, or accumulated too), then step(): the same
+    update as the sample in one batch, with the noise drawn once (same seed), one sampling
+    event and one release in the ledger, and (adaptive clipping) the same count query, so
+    the same next clip."""
     ds = data()
     x, y = ds.tensors[0][:8], ds.tensors[1][:8]
     runs = []
@@ -357,7 +359,7 @@ def test_a_sample_accumulated_over_micro_batches_is_the_same_step(policy):
             for rows in torch.arange(8).split(split):
                 opt.zero_grad()
                 F.cross_entropy(model(x[rows]), y[rows]).backward()
-                if rows[-1] != 7:  # the last micro-batch joins in step()
+                if rows[-1] != 7 or last == "accumulated too":
                     opt.accumulate()
             opt.step()
         kinds = [type(e).__name__ for e in opt.ledger.events]
