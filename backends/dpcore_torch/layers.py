@@ -163,11 +163,11 @@ class _LayerNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        x, mean, rstd, weight, bias = ctx.saved_tensors
         ctx.use.arrive(cast_to(g, ctx.dtype))
         ctx.use = None  # the graph may outlive the step: keep no reference
         gx = None
         if ctx.needs_input_grad[1]:
+            x, mean, rstd, weight, bias = ctx.saved_tensors
             gx = torch.ops.aten.native_layer_norm_backward(
                 g.contiguous(), x, ctx.shape, mean, rstd, weight, bias, [True, False, False])[0]
         return None, gx, None, None, None, None
@@ -186,11 +186,11 @@ class _GroupNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        x, mean, rstd, weight = ctx.saved_tensors
         ctx.use.arrive(cast_to(g, ctx.dtype))
         ctx.use = None  # the graph may outlive the step: keep no reference
         gx = None
         if ctx.needs_input_grad[1]:
+            x, mean, rstd, weight = ctx.saved_tensors
             gx = torch.ops.aten.native_group_norm_backward(
                 g.contiguous(), x, mean, rstd, weight, *ctx.conf, [True, False, False])[0]
         return None, gx, None, None, None, None
