@@ -3,16 +3,15 @@
 the non-private step in the same process (steps interleaved, medians).
 
 The hand-written step does only what any ghost-norm DP step must, in as few eager operations as
-it can: a forward pass with the activations kept, one backward pass for the output gradients g
-(no weight gradients), per-example squared norms ||g_i||^2 (||a_i||^2 + 1) of every Linear layer,
-flat clip factors, the clipped sums (c g)^T a and c^T g, one noise draw, the division by B and the
-optimizer step. What it leaves out (ledger, groups, validation, non-finite checks, layer rules
-for any model) is the library's cost, so dpcore's ratio minus this one is dpcore's overhead: on
-this sub-2-ms step mostly the Python calls a general library makes. ``--compiled`` also times the
-step with its tail (norms, factors, clipped sums, noise) compiled by ``torch.compile`` into fused
-kernels (the forward and backward stay eager). "reused buffer" draws every step's noise into
-one buffer allocated once, so the gradients live in the same (cache-warm) memory each step,
-as a hand-written loop can arrange and a library that returns new arrays cannot.
+we found: a forward pass whose Linear layers keep their inputs a and, by a small autograd
+function, their output gradients g (no weight gradients formed), per-example squared norms
+||g_i||^2 (||a_i||^2 + 1) of every Linear layer, clip factors with the division by q n folded in,
+one noise draw scaled once, the clipped sums (w g)^T a and w^T g added into the noise in place,
+and the optimizer step. What it leaves out (ledger, groups, validation, non-finite checks,
+layer rules for any model) is the library's cost, so dpcore's ratio minus this one is dpcore's
+overhead: on this sub-millisecond step mostly the Python calls a general library makes.
+``--compiled`` also times the step with its tail (norms, factors, clipped sums, noise scaling)
+compiled by ``torch.compile`` (the forward and backward stay eager).
 
     python benchmarks/torch_floor.py [--rounds 2000] [--compiled]
 """
@@ -32,45 +31,63 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_models import workload  # noqa: E402
 
 
-def clipped_noisy_grads(inputs, backprops, noise, clip: float, std: float):
+class _Tapped(torch.autograd.Function):
+    """``x W^T + b`` whose backward keeps the backprop g (appended to ``kept``) and returns
+    only the input's gradient: autograd forms no summed weight gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, kept):
+        ctx.save_for_backward(weight)
+        ctx.kept = kept
+        return torch.addmm(bias, x, weight.t())
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.kept.append(g)
+        return (g.mm(ctx.saved_tensors[0]) if ctx.needs_input_grad[0] else None), None, None, None
+
+
+def clipped_noisy_grads(inputs, backprops, noise, clip: float, std: float, expected_size: float):
     """The DP tail from the kept inputs a and backprops g of the Linear layers (mean loss, so
-    g carries 1/B), in as few operations as eager PyTorch allows: squared norms
-    ||g_i||^2 (||a_i||^2 + 1) of each layer's (weight, bias), flat clip factors times B
-    (B min(1, S / (B ||.||)) = min(B, S / ||.||)), the clipped sums (c g)^T a and c^T g, then
-    noise, sums and the division by B on one flat vector; one (weight, bias) pair per layer."""
+    g carries 1/B), in as few eager operations as we found: squared norms
+    s_i = sum over layers of ||g_i||^2 (||a_i||^2 + 1) (per-example norm B sqrt(s_i)), weights
+    w_i = min(1, S / (B sqrt(s_i))) B / (q n) = min(B, S / sqrt(s_i)) / (q n), which fold the
+    clip factor and the division by q n into one vector, then the clipped sums (w g)^T a and
+    w^T g added in place into the noise ``noise`` (a standard normal draw, scaled once by
+    std / (q n)); one (weight, bias) pair per layer."""
     batch = inputs[0].shape[0]
-    sq = []
+    sq = None
     for a, g in zip(inputs, backprops):
         g_sq = torch.linalg.vecdot(g, g)
-        sq.append(torch.addcmul(g_sq, g_sq, torch.linalg.vecdot(a, a)))
-    factors = torch.rsqrt(torch.stack(sq).sum(0).div_(clip * clip)).clamp_(max=batch)
-    sums = []
-    for a, g in zip(inputs, backprops):
-        g = g * factors[:, None]
-        sums += [g.t().mm(a), g.sum(0)]
-    flat = noise.mul_(std).add_(torch.cat([t.view(-1) for t in sums])).div_(batch)
-    grads = [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in sums]), sums)]
-    return list(zip(grads[::2], grads[1::2]))
+        s = torch.addcmul(g_sq, g_sq, torch.linalg.vecdot(a, a))
+        sq = s if sq is None else sq.add_(s)
+    w = sq.mul_((expected_size / clip) ** 2).rsqrt_().clamp_(max=batch / expected_size)
+    shapes = [(g.shape[1], a.shape[1]) for a, g in zip(inputs, backprops)]
+    sizes = [n for rows, cols in shapes for n in (rows * cols, rows)]
+    pieces = noise.mul_(std / expected_size).split(sizes)
+    grads = []
+    for k, (a, g) in enumerate(zip(inputs, backprops)):
+        weight = pieces[2 * k].view(shapes[k]).addmm_((g * w[:, None]).t(), a)
+        grads.append((weight, pieces[2 * k + 1].addmv_(g.t(), w)))
+    return grads
 
 
 def hand_written_dp_step(model, x, y, optimizer, generator, tail=clipped_noisy_grads, clip=1.0,
-                         noise_multiplier=1.0, noise_buffer=None):
-    """One DP step; ``noise_buffer`` (a flat tensor of the model's size), if given, receives
-    every step's noise draw and so becomes the gradients' memory, step after step."""
+                         noise_multiplier=1.0):
+    """One DP step with q n = B (the batch is the expected sample)."""
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs, outputs = [], []
+    inputs, kept = [], []
     h = x
     for i, layer in enumerate(layers):
         inputs.append(h)
-        z = F.linear(h, layer.weight.detach(), layer.bias.detach()).requires_grad_()
-        z.retain_grad()
-        outputs.append(z)
-        h = torch.tanh(z) if i < len(layers) - 1 else z
+        h = _Tapped.apply(h, layer.weight, layer.bias, kept)
+        h = torch.tanh(h) if i < len(layers) - 1 else h
     F.cross_entropy(h, y).backward()
     size = sum(p.numel() for p in model.parameters())
-    noise = torch.randn(size, generator=generator, out=noise_buffer)
-    grads = tail([a.detach() for a in inputs], [z.grad for z in outputs], noise, clip,
-                 noise_multiplier * clip)
+    with torch.no_grad():
+        noise = torch.randn(size, generator=generator)
+        grads = tail([a.detach() for a in inputs], kept[::-1], noise, clip,
+                     noise_multiplier * clip, float(len(x)))
     for layer, (weight, bias) in zip(layers, grads):
         layer.weight.grad, layer.bias.grad = weight, bias
     optimizer.step()
@@ -92,11 +109,8 @@ def main(argv=None) -> None:
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
 
-    buffer = torch.empty(sum(p.numel() for p in model.parameters()))
     steps = {"non-private": non_private,
-             "hand-written DP": lambda: hand_written_dp_step(model, x, y, optimizer, generator),
-             "reused buffer": lambda: hand_written_dp_step(model, x, y, optimizer, generator,
-                                                           noise_buffer=buffer)}
+             "hand-written DP": lambda: hand_written_dp_step(model, x, y, optimizer, generator)}
     if args.compiled:
         tail = torch.compile(clipped_noisy_grads, dynamic=False)
         steps["tail compiled"] = lambda: hand_written_dp_step(model, x, y, optimizer, generator,
