@@ -51,6 +51,25 @@ class Image(nn.Module):
         return self.fc(x.flatten(1))
 
 
+class OneChannel(nn.Module):
+    """Convolutions with one input channel (per-example gradients by a forward convolution
+    with the roles swapped): Conv2d with stride, dilation and padding, Conv1d with stride and
+    padding, and one whose output is the same size as its kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.c2d = nn.Conv2d(1, 3, 3, stride=2, dilation=2, padding=1)
+        self.c1d = nn.Conv1d(1, 2, 4, stride=3, padding=2)
+        self.tight = nn.Conv2d(1, 2, 5)  # 9 - 5 + 1 = 5: output as large as the kernel
+        self.fc = nn.Linear(3 * 4 * 4 + 2 * 28 + 2 * 5 * 5, 3)
+
+    def forward(self, x):
+        a = torch.tanh(self.c2d(x)).flatten(1)
+        b = torch.tanh(self.c1d(x.flatten(2))).flatten(1)
+        c = torch.tanh(self.tight(x)).flatten(1)
+        return self.fc(torch.cat([a, b, c], 1))
+
+
 class Tokens(nn.Module):
     """Linear on sequences on both sides of the ghost/materialise threshold T (d_in + d_out)
     < d_in d_out, an in-place op on a sequence Linear's output, and an embedding tied to the
@@ -97,14 +116,16 @@ def batches(name, size, gen):
         x = torch.randint(0, vocab, (size, 5 if name == "seq" else 4), generator=gen)
         if name == "seq" and size:
             x[0, -1] = 0  # a padding token
-    elif name == "image":
-        x = torch.randn(size, 2, 9, 9, generator=gen, dtype=torch.float64)
+    elif name in ("image", "one-channel"):
+        x = torch.randn(size, 2 if name == "image" else 1, 9, 9, generator=gen,
+                        dtype=torch.float64)
     else:
         x = torch.randn(size, 4, 5, generator=gen, dtype=torch.float64)
     return x, torch.randint(0, 3, (size,), generator=gen)
 
 
-MODELS = {"seq": Seq, "image": Image, "tokens": Tokens, "mixed": Mixed}
+MODELS = {"seq": Seq, "image": Image, "one-channel": OneChannel, "tokens": Tokens,
+          "mixed": Mixed}
 
 
 def oracle(model, x, y):
