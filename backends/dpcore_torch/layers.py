@@ -410,8 +410,9 @@ class ConvRule(Rule):
         x, g, w = use.x, use.g, module.weight
         b, o = x.shape[0], w.shape[0]
         conv = F.conv2d if x.dim() == 4 else F.conv1d
-        out = conv(x.transpose(0, 1), g.reshape(b * o, 1, *g.shape[2:]), stride=module.dilation,
-                   padding=use.aux, dilation=module.stride, groups=b)
+        with torch.autocast(x.device.type, enabled=False):  # in x's precision, not autocast's
+            out = conv(x.transpose(0, 1), g.reshape(b * o, 1, *g.shape[2:]),
+                       stride=module.dilation, padding=use.aux, dilation=module.stride, groups=b)
         crop = (Ellipsis, *(slice(0, k) for k in module.kernel_size))
         return out[crop].reshape(b, *w.shape)
 

@@ -108,3 +108,25 @@ def test_a_private_step_under_autocast_is_the_non_private_one_without_noise_and_
         step, want = p.detach() - b, (t.detach() - b) / 8  # the release divides by q n = 8
         scale = 0.5 * size.max().item() / 8  # lr 0.5, q n = 8
         assert (step - want).abs().max().item() <= BF16_TOL * max(scale, 1e-6)
+
+
+def test_per_example_gradients_formed_inside_an_autocast_region_stay_float32():
+    """The step may run inside the autocast region too; a rule that calls an autocast-listed
+    op (the one-channel convolution's forward conv) must not drop to bfloat16 there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.Flatten(), nn.Linear(3 * 7 * 7, 2))
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 1, 9, 9)
+    y = torch.randint(0, 2, (4,))
+    engine = PerExampleEngine(model, loss_reduction="sum")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        got = engine.per_example_grads()
+    for i in range(4):
+        plain.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            F.cross_entropy(plain(x[i:i + 1]), y[i:i + 1], reduction="sum").backward()
+        for n, p in plain.named_parameters():
+            assert got[n].dtype == torch.float32, n
+            scale = p.grad.abs().max().item()
+            assert (got[n][i] - p.grad).abs().max().item() <= BF16_TOL * max(scale, 1e-6), n
