@@ -16,8 +16,9 @@ Linear, x (B, T, d_in), g (B, T, d_out), T the product of the middle axes (1 for
     against B T d_in d_out to materialise; T = 1 gives ||x_i||^2 ||g_i||^2).
 Conv (unfolded input X_i of shape (D, L), g_i of shape (O, L), per group): grad_i = g_i X_i^T,
     ghost ||grad_i||^2 = <X_i^T X_i, g_i^T g_i>_F, cost L^2 (D + O) against L D O.
-Embedding, indices k_i (T,): grad_i = sum_t e_{k_it} g_it^T,
-    ||grad_i||^2 = sum_{t,s} [k_it = k_is] <g_it, g_is>, never materialised (B V d).
+Embedding, indices k_i (T,): grad_i = sum_t e_{k_it} g_it^T, nonzero only in the rows k_i
+    touches: ||grad_i||^2 = sum_v ||sum_{t: k_it = v} g_it||^2, from the B T backprop rows
+    summed per distinct (i, v) (never the dense B V d).
 LayerNorm / GroupNorm, normalised input xh: grad_weight_i = sum (g_i * xh_i), grad_bias_i = sum g_i
     over the non-channel axes (small, always materialised).
 """
@@ -308,8 +309,7 @@ class LinearRule(Rule):
         t, d_in, d_out = x.shape[1], x.shape[2], g.shape[2]
         if use_ghost(t, d_in + d_out, d_in * d_out, prefer):
             gram_x = torch.bmm(x, x.transpose(1, 2))
-            gram_g = torch.bmm(g, g.transpose(1, 2))
-            return (gram_x * gram_g).sum((1, 2))
+            return gram_x.mul_(torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
         return super().sq_norm(module, use, name, prefer)
 
     def add_weighted_sum(self, module, use, name, c, out) -> None:
@@ -470,11 +470,17 @@ class EmbeddingRule(Rule):
         return out.index_add_(0, rows, g.reshape(-1, d)).reshape(b, vocab, d)
 
     def sq_norm(self, module, use, name, prefer="memory"):
+        """Only the rows example i touches: the B T backprop rows are summed per distinct
+        (example, index) pair (a sort of the B T pairs), the sums' squared norms added per
+        example. Work and memory B T d, against B T^2 for the ghost identity and B V d for
+        the dense gradient."""
         k, g = self._kg(module, use)
-        if not use_ghost(k.shape[1], 1 + g.shape[2], module.weight.numel(), prefer):
-            return super().sq_norm(module, use, name, prefer)
-        same = (k[:, :, None] == k[:, None, :]).to(g.dtype)
-        return torch.einsum("bts,bts->b", same, torch.bmm(g, g.transpose(1, 2)))
+        b, vocab = k.shape[0], module.weight.shape[0]
+        pairs = (k + torch.arange(b, device=k.device)[:, None] * vocab).reshape(-1)
+        distinct, which = torch.unique(pairs, return_inverse=True)
+        rows = g.new_zeros(distinct.shape[0], g.shape[-1]).index_add_(
+            0, which, g.reshape(-1, g.shape[-1]))
+        return g.new_zeros(b).index_add_(0, distinct // vocab, _sq(rows))
 
     def add_weighted_sum(self, module, use, name, c, out) -> None:
         if name in use.cache:
@@ -493,9 +499,9 @@ class LayerNormRule(Rule):
 
     def grad(self, module, use, name):
         g = use.g
-        if name == "weight":
+        if name == "weight":  # g * xh, in one temporary
             mean, rstd = use.aux
-            g = g * ((use.x - mean) * rstd)
+            g = torch.sub(use.x, mean).mul_(rstd).mul_(g)
         inner = tuple(range(1, g.dim() - len(module.normalized_shape)))  # sequence axes
         return g.sum(inner) if inner else g
 

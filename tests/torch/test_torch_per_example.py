@@ -88,6 +88,20 @@ class Tokens(nn.Module):
         return self.head(torch.cat([h, long], 1)).mean(1)
 
 
+class Grid(nn.Module):
+    """An embedding looked up by a grid of indices per example (B, 3, 4), with indices
+    repeated within an example and a padding row: its norm sums an example's backprop rows
+    per distinct index before squaring."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(9, 4, padding_idx=2)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, k):
+        return self.fc(torch.tanh(self.emb(k))).mean((1, 2))
+
+
 class Mixed(nn.Module):
     """A layer without a rule (MultiheadAttention), a direct parameter of a custom module, a
     layer called twice, a frozen and an unused parameter, an in-place op on a layer's output
@@ -116,6 +130,10 @@ def batches(name, size, gen):
         x = torch.randint(0, vocab, (size, 5 if name == "seq" else 4), generator=gen)
         if name == "seq" and size:
             x[0, -1] = 0  # a padding token
+    elif name == "grid":
+        x = torch.randint(0, 9, (size, 3, 4), generator=gen)
+        if size:
+            x[0, 0, :3], x[0, 1, 0], x[-1, 2] = 5, 2, 7  # repeats, padding, a repeated row
     elif name in ("image", "one-channel"):
         x = torch.randn(size, 2 if name == "image" else 1, 9, 9, generator=gen,
                         dtype=torch.float64)
@@ -125,7 +143,7 @@ def batches(name, size, gen):
 
 
 MODELS = {"seq": Seq, "image": Image, "one-channel": OneChannel, "tokens": Tokens,
-          "mixed": Mixed}
+          "grid": Grid, "mixed": Mixed}
 
 
 def oracle(model, x, y):
