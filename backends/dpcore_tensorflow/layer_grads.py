@@ -16,8 +16,9 @@ and its squared norm can be had two ways (mixed ghost clipping picks the cheaper
 The clipped sum is **book-keeping**: sum_i c_i G_i = sum_{i,t} a_it (c_i g_it)^T, i.e. the
 layer's ordinary weight gradient with the output gradients rescaled by the clip factors c_i,
 so no second backward pass is needed. Biases get sum_t g_it (B x d_out, always cheap).
-Embeddings (ids k_it): G_i = sum_t e_{k_it} g_it^T, whose ghost norm is
-sum_{t,s} [k_it = k_is] (g_it . g_is). LayerNormalization (normalised input xhat): the scale's
+Embeddings (ids k_it): G_i = sum_t e_{k_it} g_it^T, nonzero only in the rows example i looks
+up: ||G_i||^2 = sum_v ||sum_{t: k_it = v} g_it||^2 (B T d; the ghost identity
+sum_{t,s} [k_it = k_is] (g_it . g_is) costs B T^2, the dense G_i B V d). LayerNormalization (normalised input xhat): the scale's
 gradient is sum_t xhat_it * g_it and the offset's sum_t g_it.
 """
 
@@ -189,16 +190,16 @@ class ConvKernel:
 
 
 class EmbeddingTable:
-    """Embedding table (V x d) from ids (B, T) and output gradients (B, T, d); ``"auto"`` takes
-    the ghost norm when T^2 < V (else the dense (B, V, d) per-example gradients)."""
+    """Embedding table (V x d) from ids (B, T) and output gradients (B, T, d). ``"auto"``
+    takes the norms from the rows each example touches (:meth:`touched_rows_sq_norms`, B T d),
+    ``"ghost"`` from the ghost identity (B T^2), ``"materialise"`` from the dense (B, V, d)
+    per-example gradients."""
 
     def __init__(self, ids: tf.Tensor, g: tf.Tensor, vocabulary: int, *, mode: str = "auto"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.ids, self.g, self.vocabulary = tf.cast(ids, tf.int32), g, vocabulary
-        positions = ids.shape[1]
-        self.ghost = mode == "ghost" or (mode == "auto" and positions is not None
-                                         and positions * positions < vocabulary)
+        self.mode = mode
 
     def per_example(self) -> tf.Tensor:
         batch, width = tf.shape(self.g)[0], self.g.shape[2]
@@ -207,8 +208,26 @@ class EmbeddingTable:
                                             tf.reshape(rows, [-1]), batch * self.vocabulary)
         return tf.reshape(flat, [batch, self.vocabulary, width])
 
+    def touched_rows_sq_norms(self) -> tf.Tensor:
+        """||G_i||^2 = sum_v ||sum_{t: k_it = v} g_it||^2: each example's ids sorted, the
+        backprop rows summed per run of equal ids (one segment sum over at most B T
+        segments: static shapes, so it also compiles under XLA), the sums squared."""
+        batch, positions, width = tf.shape(self.g)[0], tf.shape(self.g)[1], self.g.shape[2]
+        order = tf.argsort(self.ids, axis=1, stable=True)
+        ids = tf.gather(self.ids, order, batch_dims=1)
+        rows = tf.gather(self.g, order, batch_dims=1)
+        starts = tf.not_equal(ids, tf.concat([ids[:, :1] - 1, ids[:, :-1]], 1))
+        runs = (tf.cumsum(tf.cast(starts, tf.int32), axis=1) - 1
+                + positions * tf.range(batch)[:, None])
+        sums = tf.math.unsorted_segment_sum(tf.reshape(rows, [-1, width]),
+                                            tf.reshape(runs, [-1]), batch * positions)
+        return tf.reduce_sum(tf.reshape(tf.reduce_sum(tf.square(sums), 1),
+                                        [batch, positions]), 1)
+
     def sq_norms(self) -> tf.Tensor:
-        if not self.ghost:
+        if self.mode == "auto":
+            return self.touched_rows_sq_norms()
+        if self.mode == "materialise":
             return row_sq_norms(self.per_example())
         same = tf.equal(self.ids[:, :, None], self.ids[:, None, :])
         gg = tf.matmul(self.g, self.g, transpose_b=True)

@@ -115,13 +115,15 @@ def test_ghost_norms_equal_materialised_norms(case):
     _, x, y, loss_fn = cases()[case]
     model = _model_for(case)
     norms = {}
-    for mode in ("ghost", "materialise"):
+    for mode in ("auto", "ghost", "materialise"):
         engine = ClippedGradients(model, mode)
         objects, *_ = engine._grad_objects(tf.constant(x), tf.constant(y), loss_fn,
                                            tf.ones([B], tf.bool))
         norms[mode] = {k: o.sq_norms().numpy() for k, o in objects.items()}
-    for name in norms["ghost"]:
-        np.testing.assert_allclose(norms["ghost"][name], norms["materialise"][name], rtol=1e-10)
+    for mode in ("auto", "ghost"):
+        for name in norms[mode]:
+            np.testing.assert_allclose(norms[mode][name], norms["materialise"][name],
+                                       rtol=1e-10, err_msg=f"{mode}: {name}")
 
 
 class Scale(L.Layer):
