@@ -18,7 +18,9 @@ added to y (dl_i/dz = g_i), so no per-example gradient of W is formed. The per-e
   (*ghost norm*, cost P^2 (C + F)), or ||a_i||^2 ||g_i||^2 when P = 1; when P C F is
   smaller the product a_i^T g_i is formed instead;
 * ``gather`` of rows (embedding lookups E[ids]): the gradient scatters g_{i,p} into rows
-  ids_p, so ||dl_i/dE||^2 = sum_{p,p'} [ids_p = ids_p'] g_{i,p} . g_{i,p'};
+  ids_p, so ||dl_i/dE||^2 = sum_{p,p'} [ids_p = ids_p'] g_{i,p} . g_{i,p'} (cost P^2 d), or
+  for more than :data:`ROWS_GHOST_POSITIONS` positions sum_v ||sum_{p: ids_p = v} g_{i,p}||^2
+  from the sorted ids (cost P d and a sort);
 * ``conv_general_dilated`` with W as the kernel (no groups, no input dilation): with the
   input padded, for each kernel offset k the input window seen by the output positions,
   a_i^(k) (P, C), gives that offset's slice of the gradient, a_i^(k)T g_i (C x F), so
@@ -262,6 +264,28 @@ def _is_row_gather(site: Site) -> bool:
             and indices.shape[-1] == 1 and tuple(dims.offset_dims) == (indices.ndim - 1,))
 
 
+#: A row gather with more positions P per example than this takes its norms from the rows
+#: the example touches (B P d work, a sort and a segment sum) instead of the ghost identity
+#: (B P^2 d). On XLA:CPU (2 cores, d = 128) the two cost the same near P = 80: P = 64 0.43
+#: against 0.54 ms, P = 96 0.71 against 0.62, P = 512 4.4 against 1.7.
+ROWS_GHOST_POSITIONS = 64
+
+
+def _touched_rows_sq_norms(ids, rows):
+    """||dl_i/dE||^2 = sum_v ||sum_{p: ids_p = v} g_{i,p}||^2 from ids (B, P) and rows
+    (B, P, d): each example's ids sorted, its rows summed per run of equal ids (one segment
+    sum over B P segments, static shapes), the sums squared."""
+    batch, positions, width = rows.shape
+    order = jnp.argsort(ids, axis=1)
+    ids = jnp.take_along_axis(ids, order, axis=1)
+    rows = jnp.take_along_axis(rows, order[..., None], axis=1)
+    starts = ids != jnp.concatenate([ids[:, :1] - 1, ids[:, :-1]], axis=1)
+    runs = jnp.cumsum(starts, axis=1) - 1 + positions * jnp.arange(batch)[:, None]
+    sums = jax.ops.segment_sum(rows.reshape(-1, width), runs.reshape(-1),
+                               num_segments=batch * positions)
+    return jnp.sum(jnp.sum(sums ** 2, axis=1).reshape(batch, positions), axis=1)
+
+
 def _is_kernel_conv(site: Site) -> bool:
     """Whether ``site`` is a convolution with W as its kernel, without feature or batch
     groups, input dilation or negative padding."""
@@ -346,6 +370,8 @@ def site_grads(site: Site, weight, acts, g) -> SiteGrads:
         (indices,) = acts
         ids = jnp.clip(indices[..., 0], 0, weight.shape[0] - 1).reshape(batch, -1)
         rows = g.reshape(batch, ids.shape[1], math.prod(g.shape[1:]) // ids.shape[1])
+        if ids.shape[1] > ROWS_GHOST_POSITIONS:
+            return SiteGrads(_touched_rows_sq_norms(ids, rows), None)
         same = (ids[:, :, None] == ids[:, None, :]).astype(rows.dtype)
         return SiteGrads(jnp.sum(same * jnp.einsum("bpd,bqd->bpq", rows, rows), axis=(1, 2)),
                          None)

@@ -129,6 +129,31 @@ def test_ghost_norms_of_dense_sequences_and_embeddings_match_per_example_gradien
     assert_close(sums, expected, "sequence")
 
 
+@pytest.mark.parametrize("limit", [64, 0])
+def test_embedding_norms_by_both_routes_match_per_example_gradients(monkeypatch, limit):
+    """The row-gather rule's norms by the ghost identity (few positions) and from the rows a
+    record touches (many positions; forced here by a limit of 0) against per-example
+    gradients, read off the clip factors (the clip is below every norm)."""
+    monkeypatch.setattr(ghost, "ROWS_GHOST_POSITIONS", limit)
+    rng = np.random.default_rng(8)
+    params = {"embed": jnp.asarray(rng.normal(size=(9, 6)), jnp.float32),
+              "out": jnp.asarray(rng.normal(size=(6, 2)), jnp.float32)}
+
+    def loss(p, tokens):
+        return jnp.sum(jnp.tanh(p["embed"][tokens]) @ p["out"], axis=(1, 2))
+
+    tokens = rng.integers(0, 9, size=(5, 8))
+    tokens[0, :4], tokens[1] = 3, 5  # repeats within a record; a record of one token
+    plan = ghost.plan(loss, params, tokens[0])
+    assert [ghost.rule(s) for s in plan.sites][0] == "rows"
+    mechanism = dpcore.flat(list(params), 1e-3, 0.0)
+    _, _, factors = jax.jit(clipped_sums(loss, mechanism, with_factors=True))(params, tokens)
+    per_example = jax.vmap(jax.grad(one_example_loss(loss)), in_axes=(None, 0))(params, tokens)
+    sq = sum((np.asarray(g, np.float64).reshape(5, -1) ** 2).sum(1)
+             for g in per_example.values())
+    np.testing.assert_allclose(np.asarray(factors)[:, 0], 1e-3 / np.sqrt(sq), rtol=1e-5)
+
+
 def test_padded_rows_change_nothing_even_when_they_hold_nan():
     rng = np.random.default_rng(5)
     loss_fn, params = models.model(rng, "cnn")
