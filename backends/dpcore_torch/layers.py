@@ -303,9 +303,9 @@ class LinearRule(Rule):
             if name == "bias":
                 return g2
             return torch.linalg.vector_norm(x, dim=1).square_().mul_(g2)
+        if name == "bias":  # sum_t g_it, kept: the clipped sum contracts it
+            return _sq(self.cached_grad(module, use, name))
         x, g = self._xg(use)
-        if name == "bias":
-            return _sq(g.sum(1))
         t, d_in, d_out = x.shape[1], x.shape[2], g.shape[2]
         if use_ghost(t, d_in + d_out, d_in * d_out, prefer):
             gram_x = torch.bmm(x, x.transpose(1, 2))
