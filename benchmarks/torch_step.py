@@ -10,10 +10,15 @@ A *step* is zero_grad, forward, cross-entropy (mean), backward and optimizer.ste
 fixed batch, so every mode does the same work (the DP modes: flat clipping at 1.0, noise
 multiplier 1.0, q n = B).
 
-Time: all modes of a workload live in one process and are timed round-robin (one step of each
-mode per round, after warm-up), so drift of the machine hits them alike; we report the median
-over about ``--seconds`` of rounds (60 by default: some 450 rounds of the MLP, 40 of the
-transformer with all modes).
+Time: all modes of a workload live in one process and are timed round-robin, so drift of the
+machine hits them alike: each round runs a *block* of ``--block`` consecutive steps of each mode
+(after warm-up), the first step of a block is not timed, and we report the median of the timed
+steps over about ``--seconds`` of rounds (60 by default). Consecutive steps measure the steady
+state of a training loop, which runs one kind of step: with one step of each mode per round,
+every step started from caches the other modes had filled, which slowed the non-private step
+more than dpcore's (transformer, all six modes: 28.4 ms against 23.8 in blocks, so 1.47x
+instead of 1.56x; docs/benchmarks.md, tenth session). The default block is the number of
+non-private steps in 0.1 s, at least 5 and at most 100.
 
 Memory: each (workload, mode) runs in a fresh subprocess that builds the model, optimizer and
 batch, records its resident set size (RSS, /proc/self/statm), resets the kernel's peak-RSS
@@ -89,32 +94,42 @@ def build(name: str, mode: str):
     return step
 
 
-def time_modes(name: str, modes, *, seconds: float = 60.0, rounds: int | None = None
-               ) -> tuple[dict[str, float], int]:
-    """(median step time per mode, rounds): the modes are timed round-robin, one step of each
-    per round, for ``rounds`` rounds or as many as fill about ``seconds`` (at least 10, the
-    cost of a round estimated from three warm-up rounds), after a tenth as many more warm-up
-    rounds (a sub-millisecond step settles only after hundreds of steps)."""
+def time_modes(name: str, modes, *, seconds: float = 60.0, rounds: int | None = None,
+               block: int | None = None) -> tuple[dict[str, float], int, int]:
+    """(median step time per mode, rounds, block): the modes are timed round-robin, ``block``
+    consecutive steps of each per round (the first of each block not timed), for ``rounds``
+    rounds or as many as fill about ``seconds`` (at least 5, the cost of a round estimated
+    from the warm-up), after a tenth as many more warm-up rounds (a sub-millisecond step
+    settles only after hundreds of steps)."""
     steps = {mode: build(name, mode) for mode in modes}
+    for step in steps.values():  # first calls: lazy initialisation, allocator growth
+        for _ in range(3):
+            step()
+    if block is None:
+        start = time.perf_counter()
+        for _ in range(3):
+            steps.get("non-private", next(iter(steps.values())))()
+        block = min(100, max(5, math.ceil(0.1 / ((time.perf_counter() - start) / 3))))
 
     def one_round(times=None):
         for mode, step in steps.items():
-            start = time.perf_counter()
-            step()
-            if times is not None:
-                times[mode].append(time.perf_counter() - start)
+            step()  # caches move over from the previous mode
+            for _ in range(block - 1):
+                start = time.perf_counter()
+                step()
+                if times is not None:
+                    times[mode].append(time.perf_counter() - start)
 
     start = time.perf_counter()
-    for _ in range(3):
-        one_round()
+    one_round()
     if rounds is None:
-        rounds = max(10, math.ceil(seconds / ((time.perf_counter() - start) / 3)))
+        rounds = max(5, math.ceil(seconds / (time.perf_counter() - start)))
     for _ in range(rounds // 10):
         one_round()
     times = {mode: [] for mode in modes}
     for _ in range(rounds):
         one_round(times)
-    return {mode: statistics.median(t) for mode, t in times.items()}, rounds
+    return {mode: statistics.median(t) for mode, t in times.items()}, rounds, block
 
 
 def _rss() -> int:
@@ -160,7 +175,10 @@ def main(argv=None) -> None:
     parser.add_argument("--seconds", type=float, default=60.0,
                         help="time each workload's modes for about this long (default 60)")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="timed steps per mode (instead of --seconds)")
+                        help="rounds (instead of --seconds)")
+    parser.add_argument("--block", type=int, default=None,
+                        help="consecutive steps of each mode per round (default: the "
+                             "non-private steps in 0.1 s, 5 to 100)")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -169,11 +187,12 @@ def main(argv=None) -> None:
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for name in args.workloads:
-        med, rounds = time_modes(name, args.modes, seconds=args.seconds, rounds=args.rounds)
+        med, rounds, block = time_modes(name, args.modes, seconds=args.seconds,
+                                        rounds=args.rounds, block=args.block)
         mem = {} if args.no_memory else {m: memory_in_subprocess(name, m) for m in args.modes}
         base_t = med.get("non-private")
         base_m = mem.get("non-private")
-        print(f"\n{name} ({rounds} rounds)")
+        print(f"\n{name} ({rounds} rounds of {block} steps per mode)")
         print(f"  {'mode':<17} {'step ms':>8} {'x time':>7} {'peak MiB':>9} {'x memory':>9}")
         for mode in args.modes:
             t = med[mode] * 1e3
