@@ -6,8 +6,11 @@
 For each workload four Keras train functions run on the same batch: the non-private model
 (``model.compile(...)``, its own train step) and the private model (``make_private``: ledger
 written on the host, fused DP step, optimizer update), each without and with XLA. The
-configurations take turns step by step, so load drift hits all alike; the figure is the
-median of rounds x steps timed steps. The ratio divides the best DP configuration by the best
+configurations take turns in blocks, so load drift hits all alike: each round runs one
+untimed step of each configuration (its caches move over from the previous one) and then
+``--steps`` timed consecutive steps, the steady state of a training loop (until the tenth
+session they took turns step by step, which slows every step by the other configurations'
+cache traffic; docs/benchmarks.md). The figure is the median of rounds x steps timed steps. The ratio divides the best DP configuration by the best
 non-private one. Run on an otherwise quiet machine; the script prints ``os.getloadavg()``.
 """
 
@@ -62,11 +65,13 @@ def measure(name: str, rounds: int, steps: int, which=tuple(CONFIGS)) -> dict:
         for _ in range(3):
             run()
     times = {c: [] for c in configs}
-    for _ in range(rounds * steps):  # one step of each configuration in turn
+    for _ in range(rounds):  # a block of steps of each configuration in turn
         for config, run in configs.items():
-            start = time.perf_counter()
             run()
-            times[config].append(time.perf_counter() - start)
+            for _ in range(steps):
+                start = time.perf_counter()
+                run()
+                times[config].append(time.perf_counter() - start)
     return {c: float(np.median(t)) for c, t in times.items()}
 
 
@@ -74,7 +79,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workloads", nargs="+", default=["cnn", "mlp", "transformer"])
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    parser.add_argument("--steps", type=int, default=5,
+                        help="timed consecutive steps of each configuration per round")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
                         help="configurations sharing the process (default: all four)")
     args = parser.parse_args(argv)
