@@ -1,6 +1,7 @@
 """A lower bound for a private MLP step in eager PyTorch: the covertype MLP (b) of
 :mod:`torch_models` trained by a hand-written DP step with no library around it, timed against
-the non-private step in the same process (steps interleaved, medians).
+the non-private step in the same process (blocks of consecutive steps interleaved, as in
+``torch_step.py``; medians).
 
 The hand-written step does only what any ghost-norm DP step must, in as few eager operations as
 we found: a forward pass whose Linear layers keep their inputs a and, by a small autograd
@@ -13,7 +14,7 @@ overhead: on this sub-millisecond step mostly the Python calls a general library
 ``--compiled`` also times the step with its tail (norms, factors, clipped sums, noise scaling)
 compiled by ``torch.compile`` (the forward and backward stay eager).
 
-    python benchmarks/torch_floor.py [--rounds 2000] [--compiled]
+    python benchmarks/torch_floor.py [--rounds 20] [--block 100] [--compiled]
 """
 
 from __future__ import annotations
@@ -95,7 +96,9 @@ def hand_written_dp_step(model, x, y, optimizer, generator, tail=clipped_noisy_g
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--block", type=int, default=100,
+                        help="consecutive steps of each kind per round (the first untimed)")
     parser.add_argument("--compiled", action="store_true",
                         help="also time the step with its tail compiled by torch.compile "
                              "(inductor; needs a C++ compiler)")
@@ -121,9 +124,11 @@ def main(argv=None) -> None:
     times = {name: [] for name in steps}
     for _ in range(args.rounds):
         for name, step in steps.items():
-            start = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - start)
+            step()  # caches move over from the previous kind
+            for _ in range(args.block - 1):
+                start = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - start)
     med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, covertype MLP B={len(x)}")
     for name, ms in med.items():
