@@ -18,8 +18,9 @@ layer's ordinary weight gradient with the output gradients rescaled by the clip 
 so no second backward pass is needed. Biases get sum_t g_it (B x d_out, always cheap).
 Embeddings (ids k_it): G_i = sum_t e_{k_it} g_it^T, nonzero only in the rows example i looks
 up: ||G_i||^2 = sum_v ||sum_{t: k_it = v} g_it||^2 (B T d; the ghost identity
-sum_{t,s} [k_it = k_is] (g_it . g_is) costs B T^2, the dense G_i B V d). LayerNormalization (normalised input xhat): the scale's
-gradient is sum_t xhat_it * g_it and the offset's sum_t g_it.
+sum_{t,s} [k_it = k_is] (g_it . g_is) costs B T^2, the dense G_i B V d). LayerNormalization
+(normalised input xhat): the scale's gradient is sum_t xhat_it * g_it and the offset's
+sum_t g_it.
 """
 
 from __future__ import annotations
