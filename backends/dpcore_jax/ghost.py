@@ -15,8 +15,9 @@ added to y (dl_i/dz = g_i), so no per-example gradient of W is formed. The per-e
 * ``dot_general`` with W's dimensions all contracted or free (dense layers, projections,
   also over a sequence): with a_i reshaped to (P, C) (P positions) and g_i to (P, F),
   dl_i/dW = a_i^T g_i, so ||dl_i/dW||^2 = sum_{p,p'} (a_i a_i^T)_{pp'} (g_i g_i^T)_{pp'}
-  (*ghost norm*, cost P^2 (C + F)), or ||a_i||^2 ||g_i||^2 when P = 1; when P C F is
-  smaller the product a_i^T g_i is formed instead;
+  (*ghost norm*, cost P^2 (C + F), then a book-keeping sum, P C F), or ||a_i||^2 ||g_i||^2
+  when P = 1; or the products a_i^T g_i are formed (P C F) and give both the norm and the
+  sum (C F): :func:`forms_products` chooses by ``prefer``;
 * ``gather`` of rows (embedding lookups E[ids]): the gradient scatters g_{i,p} into rows
   ids_p, so ||dl_i/dE||^2 = sum_{p,p'} [ids_p = ids_p'] g_{i,p} . g_{i,p'} (cost P^2 d), or
   for more than :data:`ROWS_GHOST_POSITIONS` positions sum_v ||sum_{p: ids_p = v} g_{i,p}||^2
@@ -238,15 +239,43 @@ def _dot_factors(site: Site, acts, g):
     return a2, g2
 
 
-def _dot_sq_norms(a, g):
-    _, p, c = a.shape
-    f = g.shape[2]
+PREFERENCES = ("memory", "time")
+
+
+def forms_products(p: int, c: int, f: int, prefer: str = "memory") -> bool:
+    """Whether a dense site with P > 1 positions forms its per-example products a_i^T g_i
+    (C F values each) and takes norm and clipped sum from them, instead of the ghost norm
+    (P^2 (C + F)) and a book-keeping sum (P C F). ``"memory"``: iff C F <= P (C + F), the
+    products take no more memory than the a_i and g_i the book-keeping sum would keep (and
+    then also cost less time); ``"time"``: iff C F < P^2 (C + F), forming (P C F) and
+    contracting (C F) cost less than the Gram matrices and the book-keeping product. On the
+    benchmark transformer (P = 64, C F up to 128 x 512) only ``"time"`` forms them: a
+    few ms faster on two CPU cores, B C F more memory."""
+    if prefer not in PREFERENCES:
+        raise ValueError(f"prefer must be one of {PREFERENCES}, got {prefer!r}")
     if p == 1:
+        return False
+    return c * f <= p * (c + f) if prefer == "memory" else c * f < p * p * (c + f)
+
+
+def _dot_sq_norms(a, g):
+    """Squared norms of a_i^T g_i without forming it (P = 1, or the ghost norm)."""
+    if a.shape[1] == 1:
         return jnp.sum(a[:, 0] ** 2, axis=1) * jnp.sum(g[:, 0] ** 2, axis=1)
-    if p * p * (c + f) <= p * c * f:
-        return jnp.sum(jnp.einsum("bpc,bqc->bpq", a, a) * jnp.einsum("bpf,bqf->bpq", g, g),
-                       axis=(1, 2))
-    return jnp.sum(jnp.einsum("bpc,bpf->bcf", a, g) ** 2, axis=(1, 2))
+    return jnp.sum(jnp.einsum("bpc,bqc->bpq", a, a) * jnp.einsum("bpf,bqf->bpq", g, g),
+                   axis=(1, 2))
+
+
+def _as_weight(site: Site, weight, t):
+    """``t`` (..., C, F), the layout of :func:`_dot_factors` (W's contracted dimensions, then
+    its free ones), laid out as W (..., *W.shape)."""
+    (lc, rc), _ = site.eqn.params["dimension_numbers"]
+    w_contract = list(rc if site.position == 1 else lc)
+    order = w_contract + [d for d in range(weight.ndim) if d not in w_contract]
+    lead = t.shape[:-2]
+    t = t.reshape((*lead, *[weight.shape[d] for d in order]))
+    return jnp.transpose(t, [*range(len(lead)), *(len(lead) + order.index(d)
+                                                   for d in range(weight.ndim))])
 
 
 def _is_row_gather(site: Site) -> bool:
@@ -357,14 +386,20 @@ class SiteGrads:
     formed: list | None
 
 
-def site_grads(site: Site, weight, acts, g) -> SiteGrads:
+def site_grads(site: Site, weight, acts, g, prefer: str = "memory") -> SiteGrads:
     """||dl_i/dW||^2 (B,) of a site by its :func:`rule`, keeping the per-example gradients
-    where the rule forms them (``"conv"``, ``"formed"``): its sum is then a weighted sum of
-    those, with no second pass over the activations (for the MNIST CNN's convolutions this
-    replaces XLA's filter-gradient convolution, 11-20 ms each, by a 0.5 ms reduction)."""
+    where the rule forms them (``"conv"``, ``"formed"``, ``"dense"`` when
+    :func:`forms_products`): its sum is then a weighted sum of those, with no second pass
+    over the activations (for the MNIST CNN's convolutions this replaces XLA's
+    filter-gradient convolution, 11-20 ms each, by a 0.5 ms reduction)."""
     kind = rule(site)
     if kind == "dense":
-        return SiteGrads(_dot_sq_norms(*_dot_factors(site, acts, g)), None)
+        a, g = _dot_factors(site, acts, g)
+        if not forms_products(a.shape[1], a.shape[2], g.shape[2], prefer):
+            return SiteGrads(_dot_sq_norms(a, g), None)
+        products = jnp.einsum("bpc,bpf->bcf", a, g)
+        return SiteGrads(jnp.sum(products ** 2, axis=(1, 2)),
+                         [_as_weight(site, weight, products)])
     if kind == "rows":
         batch = g.shape[0]
         (indices,) = acts
@@ -402,11 +437,7 @@ def _dense_weighted_sum(site: Site, weight, acts, g, weights):
         g = _rows_scaled(g, weights)
     total = jax.lax.dot_general(a.reshape(-1, a.shape[2]), g.reshape(-1, g.shape[2]),
                                 (((0,), (0,)), ((), ())))
-    (lc, rc), _ = site.eqn.params["dimension_numbers"]
-    w_contract = list(rc if site.position == 1 else lc)
-    order = w_contract + [d for d in range(weight.ndim) if d not in w_contract]
-    total = total.reshape([weight.shape[d] for d in order])
-    return jnp.transpose(total, [order.index(d) for d in range(weight.ndim)])
+    return _as_weight(site, weight, total)
 
 
 def site_weighted_sum(site: Site, weight, grads: SiteGrads, acts, g, weights, keep=None):

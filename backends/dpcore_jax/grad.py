@@ -75,9 +75,11 @@ class _Compiled:
 
 
 def private_mean_fn(loss_fn: Callable, mechanism, expected_size: float, *,
-                    chunk_size: int | None = None, method: str = "ghost") -> Callable:
+                    chunk_size: int | None = None, method: str = "ghost",
+                    prefer: str = "memory") -> Callable:
     """The pure step ``(params, batch, mask, key) -> (key, mean gradient, nonfinite)``."""
-    sums_fn = clipped_sums(loss_fn, mechanism, chunk_size=chunk_size, method=method)
+    sums_fn = clipped_sums(loss_fn, mechanism, chunk_size=chunk_size, method=method,
+                           prefer=prefer)
 
     def step(params, batch, mask, key):
         sums, nonfinite = sums_fn(params, batch, mask)
@@ -94,12 +96,12 @@ class PrivateGrad:
     ledger (``aggregator.sample()``, or :class:`dpcore_jax.batching.PoissonBatches`)."""
 
     def __init__(self, loss_fn: Callable, aggregator, *, chunk_size: int | None = None,
-                 method: str = "ghost"):
+                 method: str = "ghost", prefer: str = "memory"):
         self._compiled = _Compiled(aggregator)
         self.aggregator = aggregator
         self._step = jax.jit(private_mean_fn(loss_fn, aggregator.mechanism,
-                                             aggregator.expected_size,
-                                             chunk_size=chunk_size, method=method))
+                                             aggregator.expected_size, chunk_size=chunk_size,
+                                             method=method, prefer=prefer))
 
     def __call__(self, params, batch, mask=None):
         self._compiled.check()
@@ -113,11 +115,13 @@ class PrivateGrad:
 
 
 def private_grad(loss_fn: Callable, aggregator, *, chunk_size: int | None = None,
-                 method: str = "ghost") -> PrivateGrad:
+                 method: str = "ghost", prefer: str = "memory") -> PrivateGrad:
     """A :class:`PrivateGrad` for ``loss_fn`` and ``aggregator`` (a
     :class:`dpcore.PrivateAggregator` with ``backend="jax"``). ``chunk_size`` bounds memory
-    by processing that many records at a time; ``method`` is ``"ghost"`` or ``"vmap"``."""
-    return PrivateGrad(loss_fn, aggregator, chunk_size=chunk_size, method=method)
+    by processing that many records at a time; ``method`` is ``"ghost"`` or ``"vmap"``;
+    ``prefer`` is ``"memory"`` or ``"time"`` (:func:`dpcore_jax.ghost.forms_products`)."""
+    return PrivateGrad(loss_fn, aggregator, chunk_size=chunk_size, method=method,
+                       prefer=prefer)
 
 
 def clip_free(mechanism: Mechanism) -> Mechanism:
