@@ -27,7 +27,6 @@ kind over the whole run, so the machine's drift hits all kinds alike: the MLP ge
 the CNN and the transformer 3 (about a minute each).
 
     python benchmarks/jax_step.py [--workloads cnn mlp transformer] [--rounds N] [--steps 50]
-                                   [--prefer memory|time]
 """
 
 from __future__ import annotations
@@ -153,7 +152,7 @@ def timed(fn):
     return time.perf_counter() - start
 
 
-def run(name, rounds, steps, method, prefer="memory", seed=0):
+def run(name, rounds, steps, method, seed=0):
     rng = np.random.default_rng(seed)
     loss_fn, params, make_data, size = WORKLOADS[name](rng)
     n = 100 * size
@@ -170,7 +169,7 @@ def run(name, rounds, steps, method, prefer="memory", seed=0):
     aggregator = dpcore.PrivateAggregator(dpcore.flat(leaf_names(params), 1.0, 1.0), n=n,
                                           q=size / n, backend="jax", seed=seed,
                                           on_nonfinite="drop")
-    private_step = PrivateStep(loss_fn, optimizer, aggregator, method=method, prefer=prefer)
+    private_step = PrivateStep(loss_fn, optimizer, aggregator, method=method)
     batches = PoissonBatches(data, aggregator)
     plain = {"params": params, "state": optimizer.init(params)}
     dp = {"params": params, "state": private_step.init(params)}
@@ -243,18 +242,13 @@ def main(argv=None):
                         help="rounds per workload (default: 3, the MLP 40)")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--method", default="ghost", choices=["ghost", "vmap"])
-    parser.add_argument("--prefer", default="memory", choices=["memory", "time"],
-                        help="dense layers on sequences: ghost norms (memory) or formed "
-                             "products where they cost less time (dpcore_jax.ghost.forms_products)")
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, {os.cpu_count()} CPUs, load average "
-          f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}, method {args.method}, "
-          f"prefer {args.prefer}")
+          f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}, method {args.method}")
     print(f"{'workload':<12}{'B':>5}{'mode':>10}{'non-private ms':>16}{'DP ms':>10}{'ratio':>8}"
           f"{'fresh ms':>10}{'ratio':>8}{'timed':>7}{'compiles':>10}")
     for name in args.workloads:
-        r = run(name, args.rounds or DEFAULT_ROUNDS[name], args.steps, args.method,
-                args.prefer)
+        r = run(name, args.rounds or DEFAULT_ROUNDS[name], args.steps, args.method)
         for mode in ("blocked", "pipelined"):
             m = r[mode]
             print(f"{r['workload']:<12}{r['batch']:>5}{mode:>10}{m['plain_ms']:>16.2f}"

@@ -46,7 +46,7 @@ def _spec(x):
     return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
 
 
-def _chunk(loss_fn, mechanism, method, prefer, params, batch, mask, clips):
+def _chunk(loss_fn, mechanism, method, params, batch, mask, clips):
     """(sums by leaf name, nonfinite count) of one chunk of rows."""
     leaves = mechanism.leaves
     named = named_leaves(params)
@@ -62,8 +62,7 @@ def _chunk(loss_fn, mechanism, method, prefer, params, batch, mask, clips):
         fallback_grads, site_grads, acts = ghost.per_example_parts(plan, named, batch)
         sites = plan.sites  # summed by their rules (ghost.site_weighted_sum)
         by_site = {site.leaf: ghost.site_grads(site, named[site.leaf], acts[site.index],
-                                               site_grads[site.index], prefer)
-                   for site in sites}
+                                               site_grads[site.index]) for site in sites}
         sq = {leaf: grads.sq for leaf, grads in by_site.items()}
         sq.update({leaf: jnp.sum(g.reshape(rows, math.prod(g.shape[1:])) ** 2, axis=1)
                    for leaf, g in fallback_grads.items() if leaf not in sq})
@@ -100,21 +99,16 @@ def _chunk(loss_fn, mechanism, method, prefer, params, batch, mask, clips):
 
 
 def clipped_sums(loss_fn: Callable, mechanism: Mechanism, *, chunk_size: int | None = None,
-                 method: str = "ghost", prefer: str = "memory",
-                 with_factors: bool = False) -> Callable:
+                 method: str = "ghost", with_factors: bool = False) -> Callable:
     """A pure function ``(params, batch, mask, clips=None) -> (sums, nonfinite)``: the clipped
     per-leaf sums as a pytree like ``params`` and the number of real rows with a non-finite
     norm (given weight 0); ``with_factors=True`` appends the clip factors (B, G). ``clips``
     (G,) replaces the mechanism's clips (a traced argument: moving clips do not recompile). ``loss_fn(params, batch) -> (B,)`` is the per-record loss; ``mask``
     (B,) bool marks real rows (None: all). ``method`` is ``"ghost"`` (norms and sums from
     each leaf's operation, see :mod:`dpcore_jax.ghost`) or ``"vmap"`` (per-example
-    gradients of every leaf); ``prefer`` (``"memory"`` or ``"time"``) how dense layers on
-    sequences take theirs (:func:`dpcore_jax.ghost.forms_products`). With ``chunk_size``, B
-    must be a multiple of it."""
+    gradients of every leaf). With ``chunk_size``, B must be a multiple of it."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if prefer not in ghost.PREFERENCES:
-        raise ValueError(f"prefer must be one of {ghost.PREFERENCES}, got {prefer!r}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
                                    or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
@@ -130,8 +124,8 @@ def clipped_sums(loss_fn: Callable, mechanism: Mechanism, *, chunk_size: int | N
         if mask.shape != (rows,):
             raise ValueError(f"mask must have shape ({rows},) like the batch, got {mask.shape}")
         if chunk_size is None or chunk_size >= rows:
-            sums, nonfinite, factors = _chunk(loss_fn, mechanism, method, prefer, params,
-                                              batch, mask, clips)
+            sums, nonfinite, factors = _chunk(loss_fn, mechanism, method, params, batch, mask,
+                                              clips)
             return _result(params, sums, nonfinite, factors)
         if rows % chunk_size:
             raise ValueError(f"a batch of {rows} rows cannot be split into chunks of "
@@ -140,8 +134,8 @@ def clipped_sums(loss_fn: Callable, mechanism: Mechanism, *, chunk_size: int | N
 
         def body(carry, xs):
             chunk_batch, chunk_mask = xs
-            sums, nonfinite, factors = _chunk(loss_fn, mechanism, method, prefer, params,
-                                              chunk_batch, chunk_mask, clips)
+            sums, nonfinite, factors = _chunk(loss_fn, mechanism, method, params, chunk_batch,
+                                              chunk_mask, clips)
             total, count = carry
             return ({leaf: total[leaf] + sums[leaf] for leaf in total}, count + nonfinite), factors
 

@@ -16,8 +16,9 @@ added to y (dl_i/dz = g_i), so no per-example gradient of W is formed. The per-e
   also over a sequence): with a_i reshaped to (P, C) (P positions) and g_i to (P, F),
   dl_i/dW = a_i^T g_i, so ||dl_i/dW||^2 = sum_{p,p'} (a_i a_i^T)_{pp'} (g_i g_i^T)_{pp'}
   (*ghost norm*, cost P^2 (C + F), then a book-keeping sum, P C F), or ||a_i||^2 ||g_i||^2
-  when P = 1; or the products a_i^T g_i are formed (P C F) and give both the norm and the
-  sum (C F): :func:`forms_products` chooses by ``prefer``;
+  when P = 1; when C F <= P (C + F) the products a_i^T g_i are formed instead (P C F) and
+  give both the norm and the clipped sum (C F): they take no more memory than the a_i and
+  g_i they replace and cost less time than Gram matrices plus book-keeping;
 * ``gather`` of rows (embedding lookups E[ids]): the gradient scatters g_{i,p} into rows
   ids_p, so ||dl_i/dE||^2 = sum_{p,p'} [ids_p = ids_p'] g_{i,p} . g_{i,p'} (cost P^2 d), or
   for more than :data:`ROWS_GHOST_POSITIONS` positions sum_v ||sum_{p: ids_p = v} g_{i,p}||^2
@@ -239,23 +240,12 @@ def _dot_factors(site: Site, acts, g):
     return a2, g2
 
 
-PREFERENCES = ("memory", "time")
-
-
-def forms_products(p: int, c: int, f: int, prefer: str = "memory") -> bool:
-    """Whether a dense site with P > 1 positions forms its per-example products a_i^T g_i
-    (C F values each) and takes norm and clipped sum from them, instead of the ghost norm
-    (P^2 (C + F)) and a book-keeping sum (P C F). ``"memory"``: iff C F <= P (C + F), the
-    products take no more memory than the a_i and g_i the book-keeping sum would keep (and
-    then also cost less time); ``"time"``: iff C F < P^2 (C + F), forming (P C F) and
-    contracting (C F) cost less than the Gram matrices and the book-keeping product. On the
-    benchmark transformer (P = 64, C F up to 128 x 512) only ``"time"`` forms them: a
-    few ms faster on two CPU cores, B C F more memory."""
-    if prefer not in PREFERENCES:
-        raise ValueError(f"prefer must be one of {PREFERENCES}, got {prefer!r}")
-    if p == 1:
-        return False
-    return c * f <= p * (c + f) if prefer == "memory" else c * f < p * p * (c + f)
+def forms_products(p: int, c: int, f: int) -> bool:
+    """Whether a dense site with P positions forms its per-example products a_i^T g_i (C F
+    values each) for norm and clipped sum: iff P > 1 and C F <= P (C + F). Forming them
+    wherever that costs fewer operations (C F < P^2 (C + F)) was slower on XLA:CPU: the
+    benchmark transformer (P = 64, C F up to 128 x 512) took 91.6 against 89.4 ms a step."""
+    return p > 1 and c * f <= p * (c + f)
 
 
 def _dot_sq_norms(a, g):
@@ -386,7 +376,7 @@ class SiteGrads:
     formed: list | None
 
 
-def site_grads(site: Site, weight, acts, g, prefer: str = "memory") -> SiteGrads:
+def site_grads(site: Site, weight, acts, g) -> SiteGrads:
     """||dl_i/dW||^2 (B,) of a site by its :func:`rule`, keeping the per-example gradients
     where the rule forms them (``"conv"``, ``"formed"``, ``"dense"`` when
     :func:`forms_products`): its sum is then a weighted sum of those, with no second pass
@@ -395,7 +385,7 @@ def site_grads(site: Site, weight, acts, g, prefer: str = "memory") -> SiteGrads
     kind = rule(site)
     if kind == "dense":
         a, g = _dot_factors(site, acts, g)
-        if not forms_products(a.shape[1], a.shape[2], g.shape[2], prefer):
+        if not forms_products(a.shape[1], a.shape[2], g.shape[2]):
             return SiteGrads(_dot_sq_norms(a, g), None)
         products = jnp.einsum("bpc,bpf->bcf", a, g)
         return SiteGrads(jnp.sum(products ** 2, axis=(1, 2)),

@@ -75,11 +75,9 @@ class _Compiled:
 
 
 def private_mean_fn(loss_fn: Callable, mechanism, expected_size: float, *,
-                    chunk_size: int | None = None, method: str = "ghost",
-                    prefer: str = "memory") -> Callable:
+                    chunk_size: int | None = None, method: str = "ghost") -> Callable:
     """The pure step ``(params, batch, mask, key) -> (key, mean gradient, nonfinite)``."""
-    sums_fn = clipped_sums(loss_fn, mechanism, chunk_size=chunk_size, method=method,
-                           prefer=prefer)
+    sums_fn = clipped_sums(loss_fn, mechanism, chunk_size=chunk_size, method=method)
 
     def step(params, batch, mask, key):
         sums, nonfinite = sums_fn(params, batch, mask)
@@ -96,12 +94,12 @@ class PrivateGrad:
     ledger (``aggregator.sample()``, or :class:`dpcore_jax.batching.PoissonBatches`)."""
 
     def __init__(self, loss_fn: Callable, aggregator, *, chunk_size: int | None = None,
-                 method: str = "ghost", prefer: str = "memory"):
+                 method: str = "ghost"):
         self._compiled = _Compiled(aggregator)
         self.aggregator = aggregator
         self._step = jax.jit(private_mean_fn(loss_fn, aggregator.mechanism,
-                                             aggregator.expected_size, chunk_size=chunk_size,
-                                             method=method, prefer=prefer))
+                                             aggregator.expected_size,
+                                             chunk_size=chunk_size, method=method))
 
     def __call__(self, params, batch, mask=None):
         self._compiled.check()
@@ -115,13 +113,11 @@ class PrivateGrad:
 
 
 def private_grad(loss_fn: Callable, aggregator, *, chunk_size: int | None = None,
-                 method: str = "ghost", prefer: str = "memory") -> PrivateGrad:
+                 method: str = "ghost") -> PrivateGrad:
     """A :class:`PrivateGrad` for ``loss_fn`` and ``aggregator`` (a
     :class:`dpcore.PrivateAggregator` with ``backend="jax"``). ``chunk_size`` bounds memory
-    by processing that many records at a time; ``method`` is ``"ghost"`` or ``"vmap"``;
-    ``prefer`` is ``"memory"`` or ``"time"`` (:func:`dpcore_jax.ghost.forms_products`)."""
-    return PrivateGrad(loss_fn, aggregator, chunk_size=chunk_size, method=method,
-                       prefer=prefer)
+    by processing that many records at a time; ``method`` is ``"ghost"`` or ``"vmap"``."""
+    return PrivateGrad(loss_fn, aggregator, chunk_size=chunk_size, method=method)
 
 
 def clip_free(mechanism: Mechanism) -> Mechanism:

@@ -28,13 +28,12 @@ class PrivateStep:
     optimizer's initial state."""
 
     def __init__(self, loss_fn: Callable, optimizer: optax.GradientTransformation, aggregator,
-                 *, chunk_size: int | None = None, method: str = "ghost",
-                 prefer: str = "memory"):
+                 *, chunk_size: int | None = None, method: str = "ghost"):
         self._compiled = _Compiled(aggregator)
         self.aggregator = aggregator
         self.optimizer = optimizer
         mean_fn = private_mean_fn(loss_fn, aggregator.mechanism, aggregator.expected_size,
-                                  chunk_size=chunk_size, method=method, prefer=prefer)
+                                  chunk_size=chunk_size, method=method)
 
         def step(params, opt_state, batch, mask, key):
             key, grads, nonfinite = mean_fn(params, batch, mask, key)
@@ -60,14 +59,14 @@ class PrivateStep:
 
 def train(loss_fn: Callable, params, data, aggregator, optimizer: optax.GradientTransformation,
           *, steps: int, buckets: Buckets | None = None, chunk_size: int | None = None,
-          method: str = "ghost", prefer: str = "memory", callback: Callable | None = None):
+          method: str = "ghost", callback: Callable | None = None):
     """Train ``params`` for ``steps`` private steps on Poisson samples of ``data`` (a pytree
     of NumPy arrays with one row per record, ``aggregator.n`` rows); returns
     ``(params, opt_state)``. ``callback(step, params)`` runs after every step. Every step's
     sampling and sum-query events are in ``aggregator.ledger``."""
     steps = check.count("steps", steps)
     private_step = PrivateStep(loss_fn, optimizer, aggregator, chunk_size=chunk_size,
-                               method=method, prefer=prefer)
+                               method=method)
     opt_state = private_step.init(params)
     batches = PoissonBatches(data, aggregator, buckets=buckets)
     for t in range(steps):

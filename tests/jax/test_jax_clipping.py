@@ -129,12 +129,10 @@ def test_ghost_norms_of_dense_sequences_and_embeddings_match_per_example_gradien
     assert_close(sums, expected, "sequence")
 
 
-@pytest.mark.parametrize("prefer", ["memory", "time"])
-def test_dense_products_and_ghost_norms_give_the_oracles_clipped_sums(prefer):
-    """Dense sites on sequences by both routes, chosen per layer by ``prefer``: Gram-matrix
-    norms with book-keeping sums, or formed products a_i^T g_i giving norm and sum (laid out
-    as W, also for a weight on the left of its product), against per-example gradients, with
-    clips below every norm."""
+def test_dense_products_and_ghost_norms_give_the_oracles_clipped_sums():
+    """Dense sites on sequences by both routes: Gram-matrix norms with a book-keeping sum, or
+    formed products a_i^T g_i giving norm and sum (laid out as W, also for a weight on the
+    left of its product), against per-example gradients, with clips below every norm."""
     rng = np.random.default_rng(9)
     params = {"wide": jnp.asarray(rng.normal(size=(12, 10)) / 3, jnp.float32),
               "left": jnp.asarray(rng.normal(size=(3, 10)) / 3, jnp.float32)}
@@ -146,21 +144,14 @@ def test_dense_products_and_ghost_norms_give_the_oracles_clipped_sums(prefer):
     x = jnp.asarray(rng.normal(size=(6, 5, 12)), jnp.float32)
     plan = ghost.plan(loss, params, x[0])
     assert [ghost.rule(s) for s in plan.sites] == ["dense", "dense"]
-    # wide: C F = 120 > P (C + F) = 110 but < P^2 (C + F): formed only when prefer="time";
-    # left: C F = 30 <= P (C + F) = 65: formed either way
-    assert ghost.forms_products(5, 12, 10, prefer) == (prefer == "time")
-    assert ghost.forms_products(5, 10, 3, prefer)
+    assert not ghost.forms_products(5, 12, 10)  # wide: C F = 120 > P (C + F) = 110: Gram
+    assert ghost.forms_products(5, 10, 3)       # left: C F = 30 <= 65: formed
     mechanism = dpcore.per_layer(leaf_sizes(params), 1e-3, 0.0)
-    sums, _ = jax.jit(clipped_sums(loss, mechanism, prefer=prefer))(params, x)
+    sums, _ = jax.jit(clipped_sums(loss, mechanism))(params, x)
     per_example = jax.vmap(jax.grad(one_example_loss(loss)), in_axes=(None, 0))(params, x)
     expected = oracle_sums({k: np.asarray(v, np.float64) for k, v in per_example.items()},
                            mechanism, np.ones(6))
-    assert_close(sums, expected, prefer)
-
-
-def test_an_unknown_preference_is_refused():
-    with pytest.raises(ValueError, match="prefer must be one of"):
-        clipped_sums(lambda p, x: x, dpcore.flat(["w"], 1.0, 0.0), prefer="speed")
+    assert_close(sums, expected, "dense")
 
 
 @pytest.mark.parametrize("limit", [64, 0])
