@@ -432,7 +432,7 @@ def _dense_weighted_sum(site: Site, weight, acts, g, weights):
 
 def site_weighted_sum(site: Site, weight, grads: SiteGrads, acts, g, weights, keep=None):
     """sum_i weights_i dl_i/dW: from the formed per-example gradients where there are some,
-    for a ``"dense"`` site one contraction of activations and output gradients, otherwise
+    else for a ``"dense"`` site one contraction of activations and output gradients, otherwise
     one backward step of the batched operation with the cotangents g_i scaled by weights_i.
     ``keep`` (B,) bool, if given, zeroes the other rows first (0 * NaN is NaN)."""
     drop = (lambda x: x) if keep is None else (lambda x: _keep_rows(x, keep))
