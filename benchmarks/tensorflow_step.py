@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -30,6 +29,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rounds import one_round  # noqa: E402
 from tensorflow_models import workload  # noqa: E402
 
 from dpcore_tensorflow import make_private  # noqa: E402
@@ -66,13 +66,8 @@ def measure(name: str, rounds: int, steps: int, which=tuple(CONFIGS)) -> dict:
         for _ in range(3):
             run()
     times = {c: [] for c in configs}
-    for _ in range(rounds):  # a block of steps of each configuration in turn
-        for config, run in configs.items():
-            run()
-            for _ in range(steps):
-                start = time.perf_counter()
-                run()
-                times[config].append(time.perf_counter() - start)
+    for _ in range(rounds):
+        one_round(configs, steps, times)
     return {c: float(np.median(t)) for c, t in times.items()}
 
 

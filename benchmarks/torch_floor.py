@@ -23,12 +23,12 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rounds import one_round  # noqa: E402
 from torch_models import workload  # noqa: E402
 
 
@@ -123,12 +123,7 @@ def main(argv=None) -> None:
             step()
     times = {name: [] for name in steps}
     for _ in range(args.rounds):
-        for name, step in steps.items():
-            step()  # caches move over from the previous kind
-            for _ in range(args.block - 1):
-                start = time.perf_counter()
-                step()
-                times[name].append(time.perf_counter() - start)
+        one_round(steps, args.block - 1, times)
     med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, covertype MLP B={len(x)}")
     for name, ms in med.items():

@@ -46,6 +46,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rounds import one_round  # noqa: E402
 from torch_models import workload  # noqa: E402
 
 MODES = ("non-private", "dpcore", "dpcore-vmap", "opacus-hooks", "opacus-ghost",
@@ -111,24 +112,15 @@ def time_modes(name: str, modes, *, seconds: float = 60.0, rounds: int | None = 
             steps.get("non-private", next(iter(steps.values())))()
         block = min(100, max(5, math.ceil(0.1 / ((time.perf_counter() - start) / 3))))
 
-    def one_round(times=None):
-        for mode, step in steps.items():
-            step()  # caches move over from the previous mode
-            for _ in range(block - 1):
-                start = time.perf_counter()
-                step()
-                if times is not None:
-                    times[mode].append(time.perf_counter() - start)
-
     start = time.perf_counter()
-    one_round()
+    one_round(steps, block - 1)
     if rounds is None:
         rounds = max(5, math.ceil(seconds / (time.perf_counter() - start)))
     for _ in range(rounds // 10):
-        one_round()
+        one_round(steps, block - 1)
     times = {mode: [] for mode in modes}
     for _ in range(rounds):
-        one_round(times)
+        one_round(steps, block - 1, times)
     return {mode: statistics.median(t) for mode, t in times.items()}, rounds, block
 
 
