@@ -70,6 +70,23 @@ class OneChannel(nn.Module):
         return self.fc(torch.cat([a, b, c], 1))
 
 
+class Shifted(nn.Module):
+    """Stride-1 convolutions (per-example gradients by shifted rows): one input channel with a
+    non-square kernel and zero padding, groups with per-axis dilation and padding, and a
+    dilated Conv1d without bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 4, (2, 3), padding=(1, 2))                # 9x9 -> 10x11
+        self.c2 = nn.Conv2d(4, 6, (3, 2), dilation=(2, 1), padding=(2, 0), groups=2)  # 10x10
+        self.c1d = nn.Conv1d(6, 3, 3, dilation=2, padding=1, bias=False)  # 10 -> 8
+        self.fc = nn.Linear(3 * 8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.c2(torch.tanh(self.c1(x))))
+        return self.fc(torch.tanh(self.c1d(h.mean(2))).flatten(1))
+
+
 class Tokens(nn.Module):
     """Linear on sequences on both sides of the ghost/materialise threshold T (d_in + d_out)
     < d_in d_out, an in-place op on a sequence Linear's output, and an embedding tied to the
@@ -134,7 +151,7 @@ def batches(name, size, gen):
         x = torch.randint(0, 9, (size, 3, 4), generator=gen)
         if size:
             x[0, 0, :3], x[0, 1, 0], x[-1, 2] = 5, 2, 7  # repeats, padding, a repeated row
-    elif name in ("image", "one-channel"):
+    elif name in ("image", "one-channel", "shifted"):
         x = torch.randn(size, 2 if name == "image" else 1, 9, 9, generator=gen,
                         dtype=torch.float64)
     else:
@@ -142,8 +159,8 @@ def batches(name, size, gen):
     return x, torch.randint(0, 3, (size,), generator=gen)
 
 
-MODELS = {"seq": Seq, "image": Image, "one-channel": OneChannel, "tokens": Tokens,
-          "grid": Grid, "mixed": Mixed}
+MODELS = {"seq": Seq, "image": Image, "one-channel": OneChannel, "shifted": Shifted,
+          "tokens": Tokens, "grid": Grid, "mixed": Mixed}
 
 
 def oracle(model, x, y):
@@ -193,6 +210,28 @@ def test_per_example_grads_match_micro_batch_oracle(name, size, reduction):
     if size:
         want = torch.stack([expected[n].flatten(1).pow(2).sum(1) for n in names], 1)
         assert close(norms, want)
+
+
+@pytest.mark.parametrize("name", ["shifted", "image", "seq"])
+def test_shifted_rows_in_chunks_of_one_record(name, monkeypatch):
+    """Stride-1 convolutions with one record per chunk (the chunk loop and its offsets), and
+    their clipped sums read from the permuted (kernel row first) storage, against the oracle."""
+    from dpcore_torch import layers
+
+    monkeypatch.setattr(layers, "ROW_CHUNK_BYTES", 1)
+    gen = torch.Generator().manual_seed(13)
+    torch.manual_seed(4)
+    model = MODELS[name]().double()
+    x, y = batches(name, 4, gen)
+    expected = oracle(copy.deepcopy(model), x, y)
+    engine = run_engine(model, x, y, "sum")
+    names = list(engine.params)
+    want = torch.stack([expected[n].flatten(1).pow(2).sum(1) for n in names], 1)
+    assert close(engine.sq_norms(names), want)
+    factors = torch.rand(4, 1, generator=gen, dtype=torch.float64)
+    got = engine.clipped_sums(factors, {n: 0 for n in names})
+    for n in names:
+        assert close(got[n], torch.tensordot(factors[:, 0], expected[n], dims=1)), n
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
