@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -226,6 +227,11 @@ def _as_stored(t):
 PREFERENCES = ("memory", "time")
 
 
+#: How :class:`ConvRule` forms per-example weight gradients of stride-1 convolutions:
+#: ``"auto"`` (time both forms on the first use of each layer configuration), ``"shifted"``
+#: or ``"convolution"`` (:meth:`ConvRule._form`).
+CONV_FORM = "auto"
+
 #: Bytes of one chunk of records in :meth:`ConvRule._shifted_rows_grad`: about the share of
 #: a core's L2 cache (2 MiB here) that keeps a chunk's input and backprop resident across the
 #: kernel rows (MNIST conv2: 1.56 ms in chunks of 64 records, 1.70 in one of 256).
@@ -367,6 +373,9 @@ class ConvRule(Rule):
     """Conv1d and Conv2d with zero padding of any size (other padding modes and asymmetric
     'same' padding are applied to the input first, as the module itself does)."""
 
+    def __init__(self):
+        self._faster: dict[tuple, str] = {}  # layer configuration -> faster form (_form)
+
     @staticmethod
     def _padding(module, spatial):
         """(explicit F.pad widths or None, symmetric padding for the convolution)."""
@@ -411,17 +420,55 @@ class ConvRule(Rule):
         return cols, g.reshape(b, groups, g.shape[1] // groups, length)
 
     def grad(self, module, use, name):
-        """Per-example weight gradients as the weight gradient of one convolution with the
-        examples as extra groups: input (1, B C_in, ...), backprop (1, B C_out, ...),
-        groups B * groups, so output channel block i sees only example i."""
+        """Per-example gradients: the bias's by summing g over positions, the weight's by one
+        of two forms (:meth:`_form`)."""
         x, g, w = use.x, use.g, module.weight
         b = x.shape[0]
         if name == "bias":
             return g.flatten(2).sum(-1)
         if b == 0:
             return w.new_zeros((0, *w.shape))
-        if all(s == 1 for s in module.stride):
+        form = self._form(module, use)
+        if form == "shifted":
             return self._shifted_rows_grad(module, use)
+        return self._convolution_grad(module, use)
+
+    def _form(self, module, use):
+        """``"shifted"`` (:meth:`_shifted_rows_grad`, stride 1 only) or ``"convolution"``
+        (:meth:`_convolution_grad`) for this call: :data:`CONV_FORM`, or with ``"auto"`` on the
+        CPU, whichever was faster the first time this layer configuration (all but the batch
+        size) was seen; each form is timed on its second run, after its set-up. Neither form
+        wins everywhere (oneDNN's grouped weight gradient is fast for 3x3 kernels with 8-64
+        channels on 16x16 and larger images, shifted rows for 5x5 kernels, few input channels
+        or small images: docs/benchmarks.md, eleventh session). Other devices take
+        ``"convolution"`` under ``"auto"``."""
+        if any(s != 1 for s in module.stride):
+            return "convolution"
+        if CONV_FORM != "auto":
+            return CONV_FORM
+        if use.x.device.type != "cpu":
+            return "convolution"
+        key = (type(module), use.x.shape[1:], use.g.shape[1:], module.weight.shape,
+               module.dilation, module.groups, use.x.dtype)
+        form = self._faster.get(key)
+        if form is None:
+            timings = {}
+            for name, make in (("shifted", self._shifted_rows_grad),
+                               ("convolution", self._convolution_grad)):
+                make(module, use)
+                start = time.perf_counter()
+                make(module, use)
+                timings[name] = time.perf_counter() - start
+            form = self._faster[key] = min(timings, key=timings.get)
+        return form
+
+    def _convolution_grad(self, module, use):
+        """Per-example weight gradients as the weight gradient of one convolution with the
+        examples as extra groups: input (1, B C_in, ...), backprop (1, B C_out, ...),
+        groups B * groups, so output channel block i sees only example i (or, with one input
+        channel, :meth:`_one_channel_grad`)."""
+        x, g, w = use.x, use.g, module.weight
+        b = x.shape[0]
         if module.groups == 1 and x.shape[1] == 1:
             return self._one_channel_grad(module, use)
         stacked = w.new_empty(1).expand(b * w.shape[0], *w.shape[1:])
@@ -486,7 +533,7 @@ class ConvRule(Rule):
         sum_l g_i[:, l] x_i[l s + k d - p] = grad_i[:, 0, k] (cropped to the kernel). On an
         Intel CPU with oneDNN this took 2.2 ms against 3.8 for the grouped weight gradient
         (MNIST conv1, B = 256; docs/benchmarks.md, ninth session); with more input channels the
-        grouped form was faster. Used for strides above 1 (stride 1 shifts rows)."""
+        grouped form was faster."""
         x, g, w = use.x, use.g, module.weight
         b, o = x.shape[0], w.shape[0]
         conv = F.conv2d if x.dim() == 4 else F.conv1d

@@ -212,12 +212,38 @@ def test_per_example_grads_match_micro_batch_oracle(name, size, reduction):
         assert close(norms, want)
 
 
+@pytest.mark.parametrize("form", ["shifted", "convolution", "auto"])
+@pytest.mark.parametrize("name", ["shifted", "image", "one-channel", "seq"])
+def test_every_conv_form_matches_the_oracle(name, form, monkeypatch):
+    """Both forms of per-example convolution weight gradients (and the timed choice between
+    them, which must remember one form per layer configuration) against the oracle."""
+    from dpcore_torch import layers
+
+    monkeypatch.setattr(layers, "CONV_FORM", form)
+    for rule in {layers.RULES[nn.Conv1d], layers.RULES[nn.Conv2d]}:
+        monkeypatch.setattr(rule, "_faster", {})
+    gen = torch.Generator().manual_seed(17)
+    torch.manual_seed(6)
+    model = MODELS[name]().double()
+    x, y = batches(name, 5, gen)
+    expected = oracle(copy.deepcopy(model), x, y)
+    got = run_engine(model, x, y, "mean").per_example_grads()
+    for n in got:
+        assert close(got[n], expected[n]), n
+    chosen = [rule._faster for rule in {layers.RULES[nn.Conv1d], layers.RULES[nn.Conv2d]}]
+    stride_one = [m for m in model.modules()
+                  if isinstance(m, (nn.Conv1d, nn.Conv2d)) and set(m.stride) == {1}]
+    assert sum(map(len, chosen)) == (len(stride_one) if form == "auto" else 0)
+    assert all(f in ("shifted", "convolution") for c in chosen for f in c.values())
+
+
 @pytest.mark.parametrize("name", ["shifted", "image", "seq"])
 def test_shifted_rows_in_chunks_of_one_record(name, monkeypatch):
     """Stride-1 convolutions with one record per chunk (the chunk loop and its offsets), and
     their clipped sums read from the permuted (kernel row first) storage, against the oracle."""
     from dpcore_torch import layers
 
+    monkeypatch.setattr(layers, "CONV_FORM", "shifted")
     monkeypatch.setattr(layers, "ROW_CHUNK_BYTES", 1)
     gen = torch.Generator().manual_seed(13)
     torch.manual_seed(4)
