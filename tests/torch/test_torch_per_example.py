@@ -72,18 +72,20 @@ class OneChannel(nn.Module):
 
 class Shifted(nn.Module):
     """Stride-1 convolutions (per-example gradients by shifted rows): one input channel with a
-    non-square kernel and zero padding, groups with per-axis dilation and padding, and a
-    dilated Conv1d without bias."""
+    non-square kernel and zero padding, groups with per-axis dilation and padding, a
+    depthwise convolution on a transposed (non-contiguous) input, and a dilated Conv1d without bias."""
 
     def __init__(self):
         super().__init__()
         self.c1 = nn.Conv2d(1, 4, (2, 3), padding=(1, 2))                # 9x9 -> 10x11
         self.c2 = nn.Conv2d(4, 6, (3, 2), dilation=(2, 1), padding=(2, 0), groups=2)  # 10x10
+        self.depthwise = nn.Conv2d(6, 6, 3, padding=1, groups=6)          # 10x10
         self.c1d = nn.Conv1d(6, 3, 3, dilation=2, padding=1, bias=False)  # 10 -> 8
         self.fc = nn.Linear(3 * 8, 3)
 
     def forward(self, x):
         h = torch.tanh(self.c2(torch.tanh(self.c1(x))))
+        h = torch.tanh(self.depthwise(h.transpose(2, 3)))
         return self.fc(torch.tanh(self.c1d(h.mean(2))).flatten(1))
 
 
