@@ -206,10 +206,10 @@ def _sq(t):
     if t.is_contiguous():
         t = t.flatten(1)
         return torch.einsum("bi,bi->b", t, t)
-    stored = _as_stored(t)
+    stored = _as_stored(t)  # reduced in storage order, without a squared copy
     if stored is None:
-        return t.square().sum(tuple(range(1, t.dim())))
-    return stored[1].square().sum((0, 2))
+        return torch.linalg.vector_norm(t, dim=tuple(range(1, t.dim()))).square_()
+    return torch.linalg.vector_norm(stored[1], dim=(0, 2)).square_()
 
 
 def _as_stored(t):
