@@ -231,6 +231,7 @@ PREFERENCES = ("memory", "time")
 #: ``"auto"`` (time both forms on the first use of each layer configuration), ``"shifted"``
 #: or ``"convolution"`` (:meth:`ConvRule._form`).
 CONV_FORM = "auto"
+CONV_FORMS = ("auto", "shifted", "convolution")
 
 #: Bytes of one chunk of records in :meth:`ConvRule._shifted_rows_grad`: about the share of
 #: a core's L2 cache (2 MiB here) that keeps a chunk's input and backprop resident across the
@@ -442,6 +443,9 @@ class ConvRule(Rule):
         channels on 16x16 and larger images, shifted rows for 5x5 kernels, few input channels
         or small images: docs/benchmarks.md, eleventh session). Other devices take
         ``"convolution"`` under ``"auto"``."""
+        if CONV_FORM not in CONV_FORMS:
+            raise ValueError(f"dpcore_torch.layers.CONV_FORM must be one of {CONV_FORMS}, "
+                             f"got {CONV_FORM!r}")
         if any(s != 1 for s in module.stride):
             return "convolution"
         if CONV_FORM != "auto":

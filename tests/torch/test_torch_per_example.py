@@ -239,6 +239,17 @@ def test_every_conv_form_matches_the_oracle(name, form, monkeypatch):
     assert all(f in ("shifted", "convolution") for c in chosen for f in c.values())
 
 
+def test_unknown_conv_form_is_refused(monkeypatch):
+    from dpcore_torch import layers
+
+    monkeypatch.setattr(layers, "CONV_FORM", "unfold")
+    model = MODELS["shifted"]().double()
+    x, y = batches("shifted", 2, torch.Generator().manual_seed(0))
+    engine = run_engine(model, x, y, "mean")
+    with pytest.raises(ValueError, match="CONV_FORM must be one of .* got 'unfold'"):
+        engine.per_example_grads()
+
+
 @pytest.mark.parametrize("name", ["shifted", "image", "seq"])
 def test_shifted_rows_in_chunks_of_one_record(name, monkeypatch):
     """Stride-1 convolutions with one record per chunk (the chunk loop and its offsets), and
