@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from .fallback import FallbackUnit, replaying
-from .layers import PREFERENCES, RULES, Rule, add_contraction, keep_rows
+from .layers import (PREFERENCES, RULES, Rule, add_contraction, keep_rows,
+                     row_sq_norms)
 from .recurrent import RECURRENT_RULES
 
 MODES = ("auto", "vmap")
@@ -286,8 +287,7 @@ class PerExampleEngine:
                 unit, call, key = uses[0]
                 cols.append(unit.rule.sq_norm(unit.module, call, key, self.prefer))
             else:
-                g = self._summed_grad(leaf, uses)
-                cols.append(g.flatten(1).pow(2).sum(1))
+                cols.append(row_sq_norms(self._summed_grad(leaf, uses)))
         if not cols:
             raise ValueError("no leaves given")
         norms = torch.stack(cols, dim=1)

@@ -200,7 +200,7 @@ class _GroupNorm(torch.autograd.Function):
 
 # --------------------------------------------------------------------------- rules
 
-def _sq(t):
+def row_sq_norms(t):
     """Squared L2 norm of every row of t: (B, ...) -> (B,). A per-example tensor stored with
     its axes permuted (:meth:`ConvRule._shifted_rows_grad`) is read in place, not copied."""
     if t.is_contiguous():
@@ -289,7 +289,7 @@ class Rule:
         return use.cache[name]
 
     def sq_norm(self, module, use, name, prefer="memory"):
-        return _sq(self.cached_grad(module, use, name))
+        return row_sq_norms(self.cached_grad(module, use, name))
 
     def add_weighted_sum(self, module, use, name, c, out) -> None:
         add_contraction(out, c, self.cached_grad(module, use, name))
@@ -343,7 +343,7 @@ class LinearRule(Rule):
                 return g2
             return torch.linalg.vector_norm(x, dim=1).square_().mul_(g2)
         if name == "bias":  # sum_t g_it, kept: the clipped sum contracts it
-            return _sq(self.cached_grad(module, use, name))
+            return row_sq_norms(self.cached_grad(module, use, name))
         x, g = self._xg(use)
         t, d_in, d_out = x.shape[1], x.shape[2], g.shape[2]
         if use_ghost(t, d_in + d_out, d_in * d_out, prefer):
@@ -611,7 +611,7 @@ class EmbeddingRule(Rule):
         distinct, which = torch.unique(pairs, return_inverse=True)
         rows = g.new_zeros(distinct.shape[0], g.shape[-1]).index_add_(
             0, which, g.reshape(-1, g.shape[-1]))
-        return g.new_zeros(b).index_add_(0, distinct // vocab, _sq(rows))
+        return g.new_zeros(b).index_add_(0, distinct // vocab, row_sq_norms(rows))
 
     def add_weighted_sum(self, module, use, name, c, out) -> None:
         if name in use.cache:
