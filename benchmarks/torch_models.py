@@ -9,7 +9,10 @@ support per example (Conv2d, Linear, Embedding, LayerNorm), so every mode runs t
     projections), mean pooling, 2 classes; sequence 64, batch 32;
 (d) an LSTM text classifier (not in issue 4): token embedding 2,000 x 64, one LSTM layer of
     128 units (``batch_first``), the last state to 2 classes; sequence 32, batch 64. Opacus
-    runs it with its ``DPLSTM`` (the same parameters; ``ModuleValidator.fix`` swaps it in).
+    runs it with its ``DPLSTM`` (the same parameters; ``ModuleValidator.fix`` swaps it in);
+(e) a CIFAR-10-sized CNN of 3x3 convolutions (not in issue 4): conv 3->32, conv 32->32,
+    max-pool 2, conv 32->64, max-pool 2, fc 4096->10 (ReLU, padding 1), batch 64 of 32x32
+    random RGB images.
 """
 
 from __future__ import annotations
@@ -80,8 +83,15 @@ class LSTMClassifier(nn.Module):
         return self.head(h_n[-1])
 
 
+def cifar_cnn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Linear(64 * 8 * 8, 10))
+
+
 def workload(name: str, seed: int = 0):
-    """(model, inputs, targets) of one of "cnn", "mlp", "transformer", "lstm"."""
+    """(model, inputs, targets) of one of "cnn", "mlp", "transformer", "lstm", "cifar"."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     if name == "cnn":
@@ -96,4 +106,7 @@ def workload(name: str, seed: int = 0):
     if name == "lstm":
         return LSTMClassifier(), torch.randint(0, 2_000, (64, 32), generator=gen), \
             torch.randint(0, 2, (64,), generator=gen)
-    raise ValueError(f"workload must be cnn, mlp, transformer or lstm, got {name!r}")
+    if name == "cifar":
+        return cifar_cnn(), torch.randn(64, 3, 32, 32, generator=gen), \
+            torch.randint(0, 10, (64,), generator=gen)
+    raise ValueError(f"workload must be cnn, mlp, transformer, lstm or cifar, got {name!r}")

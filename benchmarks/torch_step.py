@@ -51,7 +51,7 @@ from torch_models import workload  # noqa: E402
 
 MODES = ("non-private", "dpcore", "dpcore-vmap", "opacus-hooks", "opacus-ghost",
          "opacus-functorch")
-WORKLOADS = ("cnn", "mlp", "transformer")  # issue 4's; "lstm" on request
+WORKLOADS = ("cnn", "mlp", "transformer")  # issue 4's; "lstm" and "cifar" on request
 
 
 def build(name: str, mode: str):
@@ -162,7 +162,7 @@ def memory_in_subprocess(name: str, mode: str) -> int | None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS),
-                        choices=WORKLOADS + ("lstm",))
+                        choices=WORKLOADS + ("lstm", "cifar"))
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--seconds", type=float, default=60.0,
                         help="time each workload's modes for about this long (default 60)")

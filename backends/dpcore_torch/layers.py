@@ -203,9 +203,8 @@ class _GroupNorm(torch.autograd.Function):
 def row_sq_norms(t):
     """Squared L2 norm of every row of t: (B, ...) -> (B,). A per-example tensor stored with
     its axes permuted (:meth:`ConvRule._shifted_rows_grad`) is read in place, not copied."""
-    if t.is_contiguous():
-        t = t.flatten(1)
-        return torch.einsum("bi,bi->b", t, t)
+    if t.is_contiguous():  # one pass (einsum's batched dot products are 5-30x slower)
+        return torch.linalg.vector_norm(t.flatten(1), dim=1).square_()
     stored = _as_stored(t)  # reduced in storage order, without a squared copy
     if stored is None:
         return torch.linalg.vector_norm(t, dim=tuple(range(1, t.dim()))).square_()
@@ -556,7 +555,7 @@ class ConvRule(Rule):
                 cols, g = self._unfolded(module, use)
                 gram_x = torch.einsum("bgdl,bgdm->bglm", cols, cols)
                 gram_g = torch.einsum("bgol,bgom->bglm", g, g)
-                return torch.einsum("bglm,bglm->b", gram_x, gram_g)
+                return gram_x.mul_(gram_g).sum((1, 2, 3))
         return super().sq_norm(module, use, name, prefer)
 
     def add_weighted_sum(self, module, use, name, c, out) -> None:
