@@ -603,8 +603,11 @@ class EmbeddingRule(Rule):
         """Only the rows example i touches: the B T backprop rows are summed per distinct
         (example, index) pair (a sort of the B T pairs), the sums' squared norms added per
         example. Work and memory B T d, against B T^2 for the ghost identity and B V d for
-        the dense gradient."""
+        the dense gradient. When no example repeats an index (learned positions), the rows
+        are the backprop rows themselves and only their squared norms are summed."""
         k, g = self._kg(module, use)
+        if not bool(k.sort(1).values.diff(dim=1).eq(0).any()):
+            return row_sq_norms(g)
         b, vocab = k.shape[0], module.weight.shape[0]
         pairs = (k + torch.arange(b, device=k.device)[:, None] * vocab).reshape(-1)
         distinct, which = torch.unique(pairs, return_inverse=True)

@@ -92,17 +92,20 @@ class Shifted(nn.Module):
 class Tokens(nn.Module):
     """Linear on sequences on both sides of the ghost/materialise threshold T (d_in + d_out)
     < d_in d_out, an in-place op on a sequence Linear's output, and an embedding tied to the
-    output layer (one Parameter, two modules)."""
+    output layer (one Parameter, two modules), and learned positions (an embedding whose
+    indices never repeat within an example)."""
 
     def __init__(self):
         super().__init__()
         self.emb = nn.Embedding(11, 16)
         self.short = nn.Linear(16, 16)   # T = 4: ghost norm
+        self.pos = nn.Embedding(4, 16)
         self.head = nn.Linear(16, 11, bias=False)
         self.head.weight = self.emb.weight
 
     def forward(self, k):
-        h = self.short(self.emb(k)).tanh_()                # (B, 4, 16), in place
+        positions = torch.arange(k.shape[1]).expand_as(k)
+        h = self.short(self.emb(k) + self.pos(positions)).tanh_()  # (B, 4, 16), in place
         long = h.repeat(1, 3, 1)                           # (B, 12, 16): T = 12, materialised
         return self.head(torch.cat([h, long], 1)).mean(1)
 
