@@ -203,6 +203,8 @@ class _GroupNorm(torch.autograd.Function):
 def row_sq_norms(t):
     """Squared L2 norm of every row of t: (B, ...) -> (B,). A per-example tensor stored with
     its axes permuted (:meth:`ConvRule._shifted_rows_grad`) is read in place, not copied."""
+    if t.dim() == 1:  # a scalar parameter's per-example gradients
+        return t.square()
     if t.is_contiguous():  # one pass (einsum's batched dot products are 5-30x slower)
         return torch.linalg.vector_norm(t.flatten(1), dim=1).square_()
     stored = _as_stored(t)  # reduced in storage order, without a squared copy

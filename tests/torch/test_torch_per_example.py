@@ -125,15 +125,16 @@ class Grid(nn.Module):
 
 
 class Mixed(nn.Module):
-    """A layer without a rule (MultiheadAttention), a direct parameter of a custom module, a
-    layer called twice, a frozen and an unused parameter, an in-place op on a layer's output
-    (one whose input needs a gradient)."""
+    """A layer without a rule (MultiheadAttention), direct parameters of a custom module (a
+    vector and a scalar), a layer called twice, a frozen and an unused parameter, an in-place
+    op on a layer's output (one whose input needs a gradient)."""
 
     def __init__(self):
         super().__init__()
         self.inp = nn.Linear(5, 8)
         self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
         self.gate = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+        self.temperature = nn.Parameter(torch.tensor(0.8))
         self.frozen = nn.Linear(8, 8)
         self.frozen.weight.requires_grad_(False)
         self.unused = nn.Linear(3, 3)
@@ -143,7 +144,7 @@ class Mixed(nn.Module):
         h = torch.tanh(self.inp(x))
         h = h + self.attn(h, h, h, need_weights=False)[0]
         h = self.frozen(h * self.gate)
-        return self.out(torch.tanh(h)).mean(1) + self.out(h[:, 0]).mul_(1.5)
+        return (self.out(torch.tanh(h)).mean(1) + self.out(h[:, 0]).mul_(1.5)) / self.temperature
 
 
 def batches(name, size, gen):
@@ -213,7 +214,7 @@ def test_per_example_grads_match_micro_batch_oracle(name, size, reduction):
     norms = engine.sq_norms(names)
     assert norms.shape == (size, len(names))
     if size:
-        want = torch.stack([expected[n].flatten(1).pow(2).sum(1) for n in names], 1)
+        want = torch.stack([expected[n].reshape(size, -1).pow(2).sum(1) for n in names], 1)
         assert close(norms, want)
 
 
@@ -268,7 +269,7 @@ def test_shifted_rows_in_chunks_of_one_record(name, monkeypatch):
     expected = oracle(copy.deepcopy(model), x, y)
     engine = run_engine(model, x, y, "sum")
     names = list(engine.params)
-    want = torch.stack([expected[n].flatten(1).pow(2).sum(1) for n in names], 1)
+    want = torch.stack([expected[n].reshape(len(x), -1).pow(2).sum(1) for n in names], 1)
     assert close(engine.sq_norms(names), want)
     factors = torch.rand(4, 1, generator=gen, dtype=torch.float64)
     got = engine.clipped_sums(factors, {n: 0 for n in names})
@@ -365,7 +366,8 @@ def test_dropped_records_with_nan_or_inf_leave_the_sums_finite(name, prefer):
     agg.begin_step()
     got = private_grads(engine, agg, F.cross_entropy(model(x), y, reduction="sum"))
     handle.remove()
-    norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in expected.values()], 1).sum(1).sqrt()
+    norms = torch.stack([g.reshape(6, -1).pow(2).sum(1) for g in expected.values()], 1)
+    norms = norms.sum(1).sqrt()
     factors = torch.clamp(0.5 / norms, max=1.0) * (torch.arange(6) % 3 != 1)
     for n, rows in expected.items():
         want = torch.tensordot(factors, rows, dims=1) / 6
