@@ -153,8 +153,14 @@ def clipped_sums(loss_fn: Callable, mechanism: Mechanism, *, chunk_size: int | N
 
 def noisy_mean(sums, mechanism: Mechanism, key, expected_size: float):
     """``(next_key, (sums + N(0, (alpha_j sigma~_g)^2 I)) / (q n))`` as a pytree like
-    ``sums``: one fresh draw per leaf, from ``key``."""
-    named = named_leaves(sums)
-    key, noisy = aggregation.noisy_average(named, mechanism, key, standard_normal,
+    ``sums``: one fresh draw per leaf, from ``key``. ``key`` may instead be the list of
+    normals drawn from a key in advance (:class:`dpcore_jax.noise.NoiseSource`); the key
+    returned is then None."""
+    draw = standard_normal
+    if isinstance(key, list):
+        supply = iter(key)
+        draw = lambda rng, shape, like: (rng, next(supply))  # noqa: E731
+        key = None
+    key, noisy = aggregation.noisy_average(named_leaves(sums), mechanism, key, draw,
                                            expected_size)
     return key, unflatten_like(sums, noisy)

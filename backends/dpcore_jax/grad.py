@@ -24,6 +24,7 @@ from dpcore.queries import Group, Mechanism
 
 from .backend import JaxBackend
 from .clipping import clipped_sums, noisy_mean
+from .noise import NoiseSource
 
 
 def sum_query_events(mechanism) -> list[SumQueryEvent]:
@@ -76,7 +77,9 @@ class _Compiled:
 
 def private_mean_fn(loss_fn: Callable, mechanism, expected_size: float, *,
                     chunk_size: int | None = None, method: str = "ghost") -> Callable:
-    """The pure step ``(params, batch, mask, key) -> (key, mean gradient, nonfinite)``."""
+    """The pure step ``(params, batch, mask, key) -> (key, mean gradient, nonfinite)``;
+    ``key`` may be the normals drawn in advance (:class:`dpcore_jax.noise.NoiseSource`),
+    and the key returned is then None."""
     sums_fn = clipped_sums(loss_fn, mechanism, chunk_size=chunk_size, method=method)
 
     def step(params, batch, mask, key):
@@ -96,6 +99,7 @@ class PrivateGrad:
     def __init__(self, loss_fn: Callable, aggregator, *, chunk_size: int | None = None,
                  method: str = "ghost"):
         self._compiled = _Compiled(aggregator)
+        self._noise = NoiseSource(aggregator.mechanism)
         self.aggregator = aggregator
         self._step = jax.jit(private_mean_fn(loss_fn, aggregator.mechanism,
                                              aggregator.expected_size,
@@ -103,8 +107,9 @@ class PrivateGrad:
 
     def __call__(self, params, batch, mask=None):
         self._compiled.check()
-        key, grads, nonfinite = self._step(params, batch, mask, self.aggregator.rng)
-        self._compiled.release(key, nonfinite)
+        drawn, noise = self._noise(self.aggregator.rng, params)
+        key, grads, nonfinite = self._step(params, batch, mask, noise)
+        self._compiled.release(key if drawn is None else drawn, nonfinite)
         return grads
 
     def compiled_shapes(self) -> int:

@@ -1,5 +1,5 @@
 """Standard normal noise from a ``threefry2x32`` key, the same values as ``jax.random.normal``
-but about twice as fast on CPU.
+but about twice as fast on CPU, and where a compiled step draws it (:class:`NoiseSource`).
 
 ``jax.random.normal(key, (m,), float32)`` (sequential bit layout) hashes the counters
 0..m-1 with Threefry-2x32-20 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
@@ -32,6 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from dpcore import aggregation
+
+from .names import named_leaves
 
 KEY_IMPL = "threefry2x32"  # the key implementation the fast path draws from
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
@@ -88,3 +92,58 @@ def standard_normal(key, shape, like) -> tuple[jax.Array, jax.Array]:
     size = math.prod(shape)
     key, draws = _draws(key, max(_ALIGN, -(-size // _ALIGN) * _ALIGN), jnp.dtype(dtype))
     return key, draws[:size].reshape(tuple(shape))
+
+
+#: A compiled step whose noise has at least this many values gets it drawn by a program of
+#: its own, run just before the step (:class:`NoiseSource`).
+SEPARATE_DRAW = 1 << 18
+
+
+class NoiseSource:
+    """What a compiled step of ``mechanism`` draws its noise from: the aggregator's key
+    (the step draws, and returns the next key), or, when the noise has
+    :data:`SEPARATE_DRAW` values or more, the list of normals drawn from that key by a
+    program of its own (the same draws, from the same keys, in the same order). Inside a
+    step XLA:CPU fuses the draw into each leaf's update: measured on 2 cores, the
+    transformer benchmark's 1,684,994 values made its step 0.5-1.6 ms slower than drawing
+    them apart (three A/B runs), while the covertype MLP's 16,307 values cost 0.37 ms more
+    apart (one more program to dispatch) and the MNIST CNN's 21,840 the same either way."""
+
+    def __init__(self, mechanism):
+        self.mechanism = mechanism
+        self._plans: dict = {}
+
+    def plan(self, params) -> tuple:
+        """The (shape, dtype) of each draw :func:`dpcore_jax.clipping.noisy_mean` makes
+        for sums shaped like ``params``, in its order (found by tracing the core's
+        ``noisy_average`` abstractly)."""
+        leaves, tree = jax.tree_util.tree_flatten(params)
+        signature = (tree, tuple((leaf.shape, leaf.dtype) for leaf in leaves))
+        if signature not in self._plans:
+            calls = []
+
+            def record(rng, shape, like):
+                calls.append((tuple(shape), like.dtype))
+                return rng, jnp.zeros(shape, like.dtype)
+
+            jax.eval_shape(lambda p: aggregation.noisy_average(
+                named_leaves(p), self.mechanism, None, record, 1.0)[1], params)
+            self._plans[signature] = tuple(calls)
+        return self._plans[signature]
+
+    def __call__(self, key, params):
+        """``(next_key, source)``: ``(None, key)`` when the step draws (it returns the next
+        key), else the key after the separate draws and the list of normals."""
+        plan = self.plan(params)
+        if sum(math.prod(shape) for shape, _ in plan) < SEPARATE_DRAW:
+            return None, key
+        return _draw_all(key, plan)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _draw_all(key, plan):
+    normals = []
+    for shape, dtype in plan:
+        key, draw = standard_normal(key, shape, jnp.zeros((), dtype))
+        normals.append(draw)
+    return key, normals

@@ -20,6 +20,7 @@ from dpcore import _validation as check
 
 from .batching import Buckets, PoissonBatches
 from .grad import _Compiled, private_mean_fn
+from .noise import NoiseSource
 
 
 class PrivateStep:
@@ -30,13 +31,14 @@ class PrivateStep:
     def __init__(self, loss_fn: Callable, optimizer: optax.GradientTransformation, aggregator,
                  *, chunk_size: int | None = None, method: str = "ghost"):
         self._compiled = _Compiled(aggregator)
+        self._noise = NoiseSource(aggregator.mechanism)
         self.aggregator = aggregator
         self.optimizer = optimizer
         mean_fn = private_mean_fn(loss_fn, aggregator.mechanism, aggregator.expected_size,
                                   chunk_size=chunk_size, method=method)
 
-        def step(params, opt_state, batch, mask, key):
-            key, grads, nonfinite = mean_fn(params, batch, mask, key)
+        def step(params, opt_state, batch, mask, noise):  # noise: a key, or normals
+            key, grads, nonfinite = mean_fn(params, batch, mask, noise)
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, key, nonfinite
 
@@ -47,9 +49,9 @@ class PrivateStep:
 
     def __call__(self, params, opt_state, batch, mask=None):
         self._compiled.check()
-        params, opt_state, key, nonfinite = self._step(params, opt_state, batch, mask,
-                                                       self.aggregator.rng)
-        self._compiled.release(key, nonfinite)
+        drawn, noise = self._noise(self.aggregator.rng, params)
+        params, opt_state, key, nonfinite = self._step(params, opt_state, batch, mask, noise)
+        self._compiled.release(key if drawn is None else drawn, nonfinite)
         return params, opt_state
 
     def compiled_shapes(self) -> int:

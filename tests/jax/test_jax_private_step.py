@@ -57,7 +57,16 @@ def test_the_denominator_is_q_n_not_the_realised_size():
     np.testing.assert_allclose(grads["w"], total["w"] / 25.0, rtol=2e-5)
 
 
-def test_noise_std_matches_the_ledger(tmp_path):
+@pytest.fixture(params=["in the step", "separate"])
+def noise_drawn(request, monkeypatch):
+    """Both places a compiled step's noise is drawn (dpcore_jax.noise.NoiseSource)."""
+    from dpcore_jax import noise
+
+    monkeypatch.setattr(noise, "SEPARATE_DRAW", 0 if request.param == "separate" else 2 ** 62)
+    return request.param
+
+
+def test_noise_std_matches_the_ledger(tmp_path, noise_drawn):
     rng = np.random.default_rng(2)
     loss_fn, params = wide_model(rng)
     mechanism = dpcore.Mechanism((dpcore.Group("w", ("w",), clip=1.0, noise_std=2.0),
@@ -88,6 +97,29 @@ def test_noise_std_matches_the_ledger(tmp_path):
         assert abs(np.mean(draws)) < 5 * std / np.sqrt(draws.size)
     first, second = noise["w"][0], noise["w"][1]
     assert abs(np.corrcoef(first, second)[0, 1]) < 5 / np.sqrt(first.size)  # fresh every step
+
+
+def test_noise_drawn_separately_is_the_noise_drawn_in_the_step(monkeypatch):
+    """A large model's noise comes from a program of its own: the same draws from the same
+    keys as inside the step, so the released gradients and the next key are the same."""
+    from dpcore_jax import noise
+
+    rng = np.random.default_rng(7)
+    loss_fn, params = wide_model(rng)
+    x = rng.normal(size=(400, 200)).astype(np.float32)
+    y = rng.integers(0, 100, size=400)
+    mechanism = dpcore.per_layer(leaf_sizes(params), 1.0, 1.5)
+    runs = {}
+    for where, threshold in (("step", 2 ** 62), ("separate", 0)):
+        monkeypatch.setattr(noise, "SEPARATE_DRAW", threshold)
+        agg = aggregator(mechanism, n=400, q=0.05, seed=3)
+        grads = [private_grad(loss_fn, agg)(params, *sample)
+                 for sample in PoissonBatches((x, y), agg, steps=2)]
+        trained, _ = train(loss_fn, params, (x, y), agg, optax.sgd(0.1), steps=2)
+        runs[where] = (grads, trained, jax.random.key_data(agg.rng))
+    for a, b in zip(*(jax.tree_util.tree_leaves(run) for run in runs.values())):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert noise.NoiseSource(mechanism).plan(params) == (((20_100,), jnp.float32),)
 
 
 def test_ledger_has_each_step_before_its_result_and_seeds_reproduce():
