@@ -45,8 +45,8 @@ def check_aggregator(aggregator) -> None:
 
 
 class _Compiled:
-    """What a compiled step was built for; a changed aggregator would make the ledger
-    disagree with the noise, so it is an error."""
+    """What a compiled step was built for (a changed aggregator would make the ledger
+    disagree with the noise, so it is an error), and where its noise is drawn."""
 
     def __init__(self, aggregator):
         check_aggregator(aggregator)
@@ -54,6 +54,14 @@ class _Compiled:
         self.mechanism = aggregator.mechanism
         self.expected_size = aggregator.expected_size
         self.events = sum_query_events(self.mechanism)
+        self._source, self._drawn = NoiseSource(self.mechanism), None
+
+    def noise(self, params):
+        """The step's noise argument for ``params``: the aggregator's key (the step draws
+        and returns the next key), or the normals drawn from it now
+        (:class:`dpcore_jax.noise.NoiseSource`)."""
+        self._drawn, noise = self._source(self.aggregator.rng, params)
+        return noise
 
     def check(self) -> None:
         agg = self.aggregator
@@ -62,9 +70,11 @@ class _Compiled:
                                "compiled; build a new one for the new mechanism")
 
     def release(self, key, nonfinite) -> None:
-        """Host side of a step: advance the key, raise on non-finite norms (policy
-        ``"raise"``), write the step's sum-query events."""
-        self.aggregator.rng = key  # advanced even if nothing is released: no key is reused
+        """Host side of a step: advance the key (the step's ``key``, or the one after the
+        separate draw), raise on non-finite norms (policy ``"raise"``), write the step's
+        sum-query events."""
+        # advanced even if nothing is released: no key is reused
+        self.aggregator.rng = key if self._drawn is None else self._drawn
         if self.aggregator.on_nonfinite == "raise":
             count = int(nonfinite)
             if count:
@@ -99,7 +109,6 @@ class PrivateGrad:
     def __init__(self, loss_fn: Callable, aggregator, *, chunk_size: int | None = None,
                  method: str = "ghost"):
         self._compiled = _Compiled(aggregator)
-        self._noise = NoiseSource(aggregator.mechanism)
         self.aggregator = aggregator
         self._step = jax.jit(private_mean_fn(loss_fn, aggregator.mechanism,
                                              aggregator.expected_size,
@@ -107,9 +116,8 @@ class PrivateGrad:
 
     def __call__(self, params, batch, mask=None):
         self._compiled.check()
-        drawn, noise = self._noise(self.aggregator.rng, params)
-        key, grads, nonfinite = self._step(params, batch, mask, noise)
-        self._compiled.release(key if drawn is None else drawn, nonfinite)
+        key, grads, nonfinite = self._step(params, batch, mask, self._compiled.noise(params))
+        self._compiled.release(key, nonfinite)
         return grads
 
     def compiled_shapes(self) -> int:

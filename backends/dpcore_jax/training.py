@@ -20,7 +20,6 @@ from dpcore import _validation as check
 
 from .batching import Buckets, PoissonBatches
 from .grad import _Compiled, private_mean_fn
-from .noise import NoiseSource
 
 
 class PrivateStep:
@@ -31,7 +30,6 @@ class PrivateStep:
     def __init__(self, loss_fn: Callable, optimizer: optax.GradientTransformation, aggregator,
                  *, chunk_size: int | None = None, method: str = "ghost"):
         self._compiled = _Compiled(aggregator)
-        self._noise = NoiseSource(aggregator.mechanism)
         self.aggregator = aggregator
         self.optimizer = optimizer
         mean_fn = private_mean_fn(loss_fn, aggregator.mechanism, aggregator.expected_size,
@@ -49,9 +47,9 @@ class PrivateStep:
 
     def __call__(self, params, opt_state, batch, mask=None):
         self._compiled.check()
-        drawn, noise = self._noise(self.aggregator.rng, params)
-        params, opt_state, key, nonfinite = self._step(params, opt_state, batch, mask, noise)
-        self._compiled.release(key if drawn is None else drawn, nonfinite)
+        params, opt_state, key, nonfinite = self._step(params, opt_state, batch, mask,
+                                                       self._compiled.noise(params))
+        self._compiled.release(key, nonfinite)
         return params, opt_state
 
     def compiled_shapes(self) -> int:
