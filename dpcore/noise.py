@@ -10,9 +10,12 @@ them (measured in docs/benchmarks.md, seventh session).
 
 Leaves are drawn on first access, in the backend's order, so memory follows the order in which
 the backend forms sums (a large leaf's buffer appears when its sum would have). Leaves of fewer
-than :data:`SHARED_DRAW` values share one draw per (dtype, device, std), cut into disjoint
-pieces (one generator call instead of one per leaf). Leaves never accessed are drawn at release:
-every leaf gets its noise, used or not.
+than :data:`SHARED_DRAW` values share draws per (dtype, device, std), each of at most
+:data:`SHARED_TOTAL` values and cut into disjoint pieces: one generator call instead of one per
+leaf, large enough for a backend to draw it on several threads (PyTorch on the CPU). The first
+access to a shared leaf draws its whole group, so memory runs ahead of the sums by at most
+:data:`SHARED_TOTAL` values. Leaves never accessed are drawn at release: every leaf gets its
+noise, used or not.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from array_api_compat import device, is_writeable_array
 from .aggregation import leaf_noise_stds, pieces
 from .queries import Mechanism
 
-SHARED_DRAW = 2 ** 14  # leaves below this many values share one draw
+SHARED_DRAW = 2 ** 17  # leaves below this many values share draws ...
+SHARED_TOTAL = 2 ** 19  # ... of at most this many values each
 
 
 class NoiseDraws(Mapping):
@@ -42,15 +46,18 @@ class NoiseDraws(Mapping):
         self._bases: list = []  # the draws (each divided once at release)
         self._sizes: dict[str, int] = {}
         self._shared: dict[str, list] = {}  # small leaf -> the leaves sharing its draw
-        kinds: dict[tuple, list] = {}
+        kinds: dict[tuple, tuple] = {}  # (dtype, device, std) -> (group being filled, size)
         for leaf in mechanism.leaves:
             t = like[leaf]
             size = self._sizes[leaf] = math.prod(t.shape)
             if size < SHARED_DRAW:  # NumPy < 2 arrays have no .device (all on the CPU)
-                kind = kinds.setdefault((t.dtype, getattr(t, "device", None),
-                                         self._stds[leaf]), [])
-                kind.append(leaf)
-                self._shared[leaf] = kind
+                kind = (t.dtype, getattr(t, "device", None), self._stds[leaf])
+                group, total = kinds.get(kind, (None, 0))
+                if group is None or total + size > SHARED_TOTAL:
+                    group, total = [], 0
+                group.append(leaf)
+                kinds[kind] = group, total + size
+                self._shared[leaf] = group
 
     def __getitem__(self, leaf: str):
         buffer = self._buffers.get(leaf)

@@ -6,7 +6,7 @@ import pytest
 
 from dpcore import Group, Mechanism, PrivateAggregator, QuantileClipping, read_ledger
 from dpcore.ledger import SumQueryEvent
-from dpcore.noise import SHARED_DRAW
+from dpcore.noise import SHARED_DRAW, SHARED_TOTAL
 from dpcore.numpy_backend import NumpyBackend
 
 MECHANISM = Mechanism((
@@ -14,7 +14,7 @@ MECHANISM = Mechanism((
     Group("joint", ("m",), clip=0.5, noise_std=2.0, scales=(4.0,)),
 ))
 # w and m are drawn on their own, b, c and s (below SHARED_DRAW values) share one draw
-LIKE = {"w": np.zeros((150, 150)), "b": np.zeros(5000), "c": np.zeros((60, 50)),
+LIKE = {"w": np.zeros((400, 400)), "b": np.zeros(5000), "c": np.zeros((60, 50)),
         "s": np.zeros(()), "m": np.zeros(2 * SHARED_DRAW)}
 
 
@@ -65,8 +65,8 @@ def test_released_values_are_the_sums_added_into_the_noise_over_q_n():
     assert set(out) == set(LIKE)
     for leaf in ("b", "m"):
         np.testing.assert_allclose(out[leaf], (sums[leaf] + noise[leaf]) / 20.0, rtol=1e-12)
-    assert out["s"].shape == () and out["w"].shape == (150, 150)
-    # w never accessed: drawn at release, noise only (22,500 draws: 3% is > 6 standard errors)
+    assert out["s"].shape == () and out["w"].shape == (400, 400)
+    # w never accessed: drawn at release, noise only (160,000 draws: 3% is > 6 standard errors)
     assert np.std(out["w"] * 20.0) == pytest.approx(3.0, rel=0.03)
 
 
@@ -148,10 +148,36 @@ def test_adaptive_clipping_learns_the_quantile_through_the_draws():
     assert agg.mechanism.groups[0].clip == pytest.approx(1.8, rel=0.10)
 
 
+def test_small_leaves_share_draws_of_bounded_size(monkeypatch):
+    """Leaves below SHARED_DRAW values share one generator call per group of at most
+    SHARED_TOTAL values, in the mechanism's order; the first access draws only its group."""
+    size = SHARED_DRAW - 1
+    per_group = SHARED_TOTAL // size
+    like = {f"l{k}": np.zeros(size) for k in range(per_group + 2)}
+    agg = aggregator(Mechanism((Group("all", tuple(like), clip=1.0, noise_std=1.0),)))
+    calls = []
+    draw = agg.backend.standard_normal
+
+    def counted(rng, shape, like_):
+        calls.append(shape)
+        return draw(rng, shape, like_)
+
+    monkeypatch.setattr(agg.backend, "standard_normal", counted)
+    draws = agg.noise_draws(like)
+    first = np.array(draws["l0"], copy=True)
+    assert calls == [(per_group * size,)]
+    draws[f"l{per_group - 1}"]  # the same group: nothing drawn
+    assert calls == [(per_group * size,)]
+    draws[f"l{per_group + 1}"]
+    assert calls == [(per_group * size,), (2 * size,)]
+    out = agg.release_noisy_sums(draws)
+    assert len(calls) == 2 and np.allclose(out["l0"] * agg.expected_size, first)
+
+
 def test_a_draw_cannot_be_replaced():
     draws = aggregator().noise_draws(LIKE)
     draws["b"] += 1.0  # in place: allowed
     with pytest.raises(TypeError, match="drop its noise"):
         draws["b"] = np.zeros(5000)
     with pytest.raises(TypeError, match="drop its noise"):
-        draws["w"] = np.zeros((150, 150))  # not drawn yet
+        draws["w"] = np.zeros((400, 400))  # not drawn yet
