@@ -602,20 +602,27 @@ class EmbeddingRule(Rule):
         return out.index_add_(0, rows, g.reshape(-1, d)).reshape(b, vocab, d)
 
     def sq_norm(self, module, use, name, prefer="memory"):
-        """Only the rows example i touches: the B T backprop rows are summed per distinct
-        (example, index) pair (a sort of the B T pairs), the sums' squared norms added per
-        example. Work and memory B T d, against B T^2 for the ghost identity and B V d for
-        the dense gradient. When no example repeats an index (learned positions), the rows
-        are the backprop rows themselves and only their squared norms are summed."""
+        """Only the rows example i touches, ||G_i||^2 = sum_v ||sum_{t: k_t = v} g_t||^2: a
+        row looked up once adds ||g_t||^2; the backprop rows of an index the example repeats
+        (found by sorting each example's indices) are summed first. Work B T d plus a sort
+        of B T indices, against B T^2 d for the ghost identity and B V d for the dense
+        gradient; the sums cover only the repeated lookups."""
         k, g = self._kg(module, use)
-        if not bool(k.sort(1).values.diff(dim=1).eq(0).any()):
-            return row_sq_norms(g)
-        b, vocab = k.shape[0], module.weight.shape[0]
-        pairs = (k + torch.arange(b, device=k.device)[:, None] * vocab).reshape(-1)
-        distinct, which = torch.unique(pairs, return_inverse=True)
-        rows = g.new_zeros(distinct.shape[0], g.shape[-1]).index_add_(
-            0, which, g.reshape(-1, g.shape[-1]))
-        return g.new_zeros(b).index_add_(0, distinct // vocab, row_sq_norms(rows))
+        row_sq = torch.linalg.vector_norm(g, dim=2).square_()  # (B, T)
+        ordered, order = k.sort(1)
+        repeat = ordered[:, 1:] == ordered[:, :-1]
+        if not bool(repeat.any()):
+            return row_sq.sum(1)
+        in_run = F.pad(repeat, (1, 0)) | F.pad(repeat, (0, 1))  # sorted positions
+        repeated = torch.zeros_like(in_run).scatter_(1, order, in_run)  # lookup positions
+        examples, positions = repeated.nonzero(as_tuple=True)
+        vocab = module.weight.shape[0]
+        distinct, which = torch.unique(examples * vocab + k[examples, positions],
+                                       return_inverse=True)
+        sums = g.new_zeros(distinct.shape[0], g.shape[-1]).index_add_(
+            0, which, g[examples, positions])
+        once = row_sq.masked_fill_(repeated, 0).sum(1)
+        return once.index_add_(0, distinct // vocab, row_sq_norms(sums))
 
     def add_weighted_sum(self, module, use, name, c, out) -> None:
         if name in use.cache:
