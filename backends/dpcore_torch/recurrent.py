@@ -18,7 +18,16 @@ example's steps are masked to its length):
 Each map keeps its inputs and, from the one ordinary backward pass, the backprops of its
 outputs, stacked over the T steps: per example a Linear over T positions, so its per-example
 gradient sum_t g_t u_t^T, its (ghost) norm and its book-keeping sum are those of
-:class:`dpcore_torch.layers.LinearRule`. A layer with L layers and D directions has L D input
+:class:`dpcore_torch.layers.LinearRule`. The recurrent map needs no backprop of its own: r_t
+enters the cell only through a_t + r_t, except the GRU's candidate chunk, which enters as
+s r^n, so
+
+    d loss / d r_t = d loss / d a_t           (RNN, LSTM, and the GRU's r and z chunks)
+    d loss / d r^n_t = s_t * d loss / d a^n_t  (the GRU's candidate chunk),
+
+and r_t is a plain F.linear on the detached parameters (the input map's backprop, kept once
+for all steps, gives the recurrent map's); only the states h_{t-1} (and the GRU's s_t) are
+kept per step. A layer with L layers and D directions has L D input
 maps, L D recurrent maps and, with ``proj_size``, L D projections; parameter
 ``weight_hh_l1_reverse`` is the weight of map ``hh_l1_reverse``. A cell (nn.RNNCell, nn.GRUCell,
 nn.LSTMCell) is one step with maps ``ih`` and ``hh``; called at every step of a loop, it is a
@@ -39,7 +48,7 @@ _LINEAR = LinearRule()
 
 class _Steps:
     """A Linear map applied one step at a time: the inputs of each step and, once the backward
-    pass has reached them, the backprops of its outputs."""
+    pass has reached them, the backprops of its outputs (the LSTM's projection)."""
 
     __slots__ = ("xs", "gs", "reached_at")
 
@@ -60,6 +69,45 @@ class _Steps:
         if reached:
             zero = torch.zeros_like(reached[0])
             use.g = torch.stack([zero if g is None else g for g in self.gs], 1)
+        return use
+
+
+class _Recurrence:
+    """The recurrent map r_t = W_hh h_{t-1} + b_hh of one layer and direction (``steps``
+    steps) or of one cell call (``steps`` None): its inputs h_{t-1} by step, and its backprop
+    taken from the input map's ``source`` Use (times the GRU's reset gates s_t on the
+    candidate chunk, see the module docstring)."""
+
+    __slots__ = ("source", "xs", "gates")
+
+    def __init__(self, source: Use, steps: int | None = None):
+        self.source, self.xs, self.gates = source, [None] * (steps or 1), None
+
+    def apply(self, t: int, h, weight, bias):
+        """r_t from h = h_{t-1}, autograd reaching h only (the parameters are detached)."""
+        self.xs[t] = cast_to(h.detach(), weight.dtype)
+        return F.linear(h, weight.detach(), None if bias is None else bias.detach())
+
+    def gate(self, t: int, s) -> None:
+        """Record the GRU's reset gate s_t of step t."""
+        if self.gates is None:
+            self.gates = [None] * len(self.xs)
+        self.gates[t] = s.detach()
+
+    @property
+    def reached_at(self) -> int | None:
+        return self.source.reached_at
+
+    def stacked(self) -> Use:
+        """One :class:`Use`: x (B, T, h) (a cell: (B, h)) and g from the input map's."""
+        cell = self.source.x.dim() == 2
+        use = Use(self.xs[0] if cell else torch.stack(self.xs, 1))
+        use.reached_at, g = self.source.reached_at, self.source.g
+        if g is not None and self.gates is not None:  # GRU: s_t on the candidate chunk
+            s = self.gates[0] if cell else torch.stack(self.gates, 1)
+            n = s.shape[-1]
+            g = torch.cat([g[..., :-n], g[..., -n:] * cast_to(s, g.dtype)], -1)
+        use.g = g
         return use
 
 
@@ -86,7 +134,8 @@ class _StepLinear(torch.autograd.Function):
 
 class RecurrentCall:
     """One call of a recurrent layer: its maps by name (``ih_l0``, ``hh_l0``, ...), each a
-    :class:`Use` (input maps) or :class:`_Steps` (stacked into a Use on first read)."""
+    :class:`Use` (input maps), or a :class:`_Recurrence` or :class:`_Steps` (stacked into a
+    Use on first read)."""
 
     __slots__ = ("maps", "batch", "born")
 
@@ -95,7 +144,7 @@ class RecurrentCall:
 
     def part(self, name: str) -> Use:
         use = self.maps[name]
-        if isinstance(use, _Steps):
+        if isinstance(use, (_Steps, _Recurrence)):
             use = self.maps[name] = use.stacked()
         return use
 
@@ -225,7 +274,7 @@ def _run(module, call: RecurrentCall, x, hx, lengths=None):
             w_ih = param("weight_ih")
             use = call.maps["ih" + suffix] = Use(cast_to(x.detach(), w_ih.dtype))
             a = _Linear.apply(use, x, w_ih, param("bias_ih")).reshape(b, steps, w_ih.shape[0])
-            hh = call.maps["hh" + suffix] = _Steps()
+            hh = call.maps["hh" + suffix] = _Recurrence(use, steps)
             hr = None
             if proj:
                 hr = call.maps["hr" + suffix] = _Steps()
@@ -234,8 +283,10 @@ def _run(module, call: RecurrentCall, x, hx, lengths=None):
             a_t = a.unbind(1)  # one backward node for all steps (a[:, t] would be one each)
             w_hh, b_hh, w_hr = param("weight_hh"), param("bias_hh"), param("weight_hr")
             for t in (reversed(range(steps)) if direction else range(steps)):
-                r = hh.apply(state[0], w_hh, b_hh)
-                new = _cell(module, a_t[t], r, state, lstm, gru)
+                new, gate = _cell(module, a_t[t], hh.apply(t, state[0], w_hh, b_hh), state,
+                                  lstm, gru)
+                if gate is not None:
+                    hh.gate(t, gate)
                 if hr is not None:
                     new = hr.apply(new[0], w_hr, None), new[1]
                 if live is not None:
@@ -266,29 +317,31 @@ def _step(module, call: RecurrentCall, x, hx):
         c = h if lstm else None
     else:
         h, c = hx if lstm else (hx, None)
-    maps = call.maps
-    maps["ih"] = Use(cast_to(x.detach(), module.weight_ih.dtype))
-    maps["hh"] = Use(cast_to(h.detach(), module.weight_hh.dtype))
-    a = _Linear.apply(maps["ih"], x, module.weight_ih, module.bias_ih)
-    r = _Linear.apply(maps["hh"], h, module.weight_hh, module.bias_hh)
-    h, c = _cell(module, a, r, (h, c), lstm, gru)
+    ih = call.maps["ih"] = Use(cast_to(x.detach(), module.weight_ih.dtype))
+    hh = call.maps["hh"] = _Recurrence(ih)
+    a = _Linear.apply(ih, x, module.weight_ih, module.bias_ih)
+    (h, c), gate = _cell(module, a, hh.apply(0, h, module.weight_hh, module.bias_hh), (h, c),
+                         lstm, gru)
+    if gate is not None:
+        hh.gate(0, gate)
     return (h, c) if lstm else h
 
 
 def _cell(module, a, r, state, lstm, gru):
-    """One step of PyTorch's cell: (h, c) from the input and recurrent maps' outputs."""
+    """One step of PyTorch's cell: ((h, c), s) from the input and recurrent maps' outputs,
+    s the GRU's reset gate (None for the others)."""
     h, c = state
     if lstm:
         i, f, u, o = (a + r).chunk(4, 1)
         c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(u)
-        return torch.sigmoid(o) * torch.tanh(c), c
+        return (torch.sigmoid(o) * torch.tanh(c), c), None
     if gru:
         (ar, az, an), (rr, rz, rn) = a.chunk(3, 1), r.chunk(3, 1)
         s, z = torch.sigmoid(ar + rr), torch.sigmoid(az + rz)
         n = torch.tanh(an + s * rn)
-        return (1 - z) * n + z * h, None
+        return ((1 - z) * n + z * h, None), s
     act = torch.tanh if module.nonlinearity == "tanh" else torch.relu
-    return act(a + r), None
+    return (act(a + r), None), None
 
 
 #: Exact module types with the recurrent rule.
