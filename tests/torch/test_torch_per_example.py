@@ -73,7 +73,8 @@ class OneChannel(nn.Module):
 class Shifted(nn.Module):
     """Stride-1 convolutions (per-example gradients by shifted rows): one input channel with a
     non-square kernel and zero padding, groups with per-axis dilation and padding, a
-    depthwise convolution on a transposed (non-contiguous) input, and a dilated Conv1d without bias."""
+    depthwise convolution on a transposed (non-contiguous) input, and a dilated Conv1d
+    without bias."""
 
     def __init__(self):
         super().__init__()
