@@ -25,21 +25,43 @@ class PrivateOptimizer(torch.optim.Optimizer):
                  aggregator: PrivateAggregator):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
-        ours = {id(p) for p in engine.params.values()}
-        names = {id(p): n for n, p in engine.module.named_parameters()}
-        stray = [names.get(id(p), f"<tensor of shape {tuple(p.shape)}>")
-                 for group in optimizer.param_groups for p in group["params"]
-                 if p.requires_grad and id(p) not in ours]
-        if stray:
-            raise ValueError(f"the optimizer updates tensors the private model does not own: "
-                             f"{stray}; their gradients would be released without privacy")
+        self.engine = engine
+        self._ours = {id(p) for p in engine.params.values()}
+        self._refuse_stray(optimizer.param_groups)
         super().__init__([torch.zeros(0)], {})
         self.original_optimizer = optimizer
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self.defaults = optimizer.defaults
-        self.engine, self.aggregator = engine, aggregator
+        self.aggregator = aggregator
         self._pending = None  # (noise draws, clip factors) of a step being accumulated
+
+    def _refuse_stray(self, param_groups, *, grads: bool = False) -> None:
+        """Refuse trainable tensors the engine does not clip (with ``grads``: tensors holding
+        a gradient, e.g. a parameter frozen when the model was made private and unfrozen
+        since): the wrapped optimizer would apply their ordinary gradients without privacy."""
+        stray = [p for group in param_groups for p in group["params"]
+                 if id(p) not in self._ours and (p.grad is not None if grads
+                                                  else p.requires_grad)]
+        if not stray:
+            return
+        names = {id(p): n for n, p in self.engine.module.named_parameters()}
+        stray = [names.get(id(p), f"<tensor of shape {tuple(p.shape)}>") for p in stray]
+        raise ValueError(
+            f"the optimizer updates tensors the private model does not clip: {stray}; their "
+            f"ordinary gradients would be released without privacy. dpcore clips the "
+            f"parameters that were trainable when the model was made private: unfreeze "
+            f"parameters (and add them to the optimizer) before make_private")
+
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "original_optimizer"):  # not the placeholder of __init__
+            params = param_group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            param_group = {**param_group, "params": params}
+            self._refuse_stray([param_group])
+            self.original_optimizer.add_param_group(param_group)
+            return
+        super().add_param_group(param_group)
 
     @property
     def ledger(self):
@@ -69,6 +91,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
             self._accumulate()
 
     def _accumulate(self) -> None:
+        self._refuse_stray(self.param_groups, grads=True)
         if self._pending is None:
             self.aggregator.begin_step()
             self._pending = (self.aggregator.noise_draws(self.engine.params), [])
@@ -91,8 +114,8 @@ class PrivateOptimizer(torch.optim.Optimizer):
         (draws, factors), self._pending = self._pending, None
         factors = factors[0] if len(factors) == 1 else torch.cat(factors)
         grads = self.aggregator.release_noisy_sums(draws, factors=factors)
-        for name, p in self.engine.params.items():
-            p.grad = grads[name]
+        for name, p in self.engine.params.items():  # a parameter frozen since: not updated
+            p.grad = grads[name] if p.requires_grad else None
         self.original_optimizer.step()
         return loss
 

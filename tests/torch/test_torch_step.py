@@ -184,9 +184,70 @@ def test_functional_step_for_a_custom_loop():
 def test_optimizer_with_foreign_parameters_is_refused():
     model, other = mlp(), nn.Linear(2, 2)
     opt = torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=0.1)
-    with pytest.raises(ValueError, match="does not own"):
+    with pytest.raises(ValueError, match="does not clip"):
         make_private(model, opt, DataLoader(data(), batch_size=4), noise_multiplier=1.0,
                      max_grad_norm=1.0)
+
+
+def frozen_first_layer_made_private():
+    """(model, private optimizer, x, y): the MLP with its first layer frozen (but in the
+    optimizer) when made private."""
+    model = mlp()
+    model[0].requires_grad_(False)
+    model, opt, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 DataLoader(data(), batch_size=8), noise_multiplier=1.0,
+                                 max_grad_norm=1.0, seed=0)
+    return model, opt, *data().tensors
+
+
+def test_a_parameter_unfrozen_after_make_private_is_refused_before_anything_is_recorded():
+    """Its ordinary gradient would be applied unclipped and without noise."""
+    model, opt, x, y = frozen_first_layer_made_private()
+    model[0].requires_grad_(True)
+    before = model[0].weight.detach().clone()
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(ValueError, match=r"does not clip: \['0.weight', '0.bias'\]"):
+        opt.step()
+    assert len(opt.ledger.events) == 0
+    assert torch.equal(model[0].weight, before)
+    model[0].requires_grad_(False)  # frozen again: private steps resume
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert torch.equal(model[0].weight, before) and len(opt.ledger.events) > 0
+
+
+def test_a_parameter_group_the_engine_does_not_clip_is_refused():
+    model = mlp()
+    model[0].requires_grad_(False)
+    model, opt, _ = make_private(model, torch.optim.SGD(model[2].parameters(), lr=0.1),
+                                 DataLoader(data(), batch_size=8), noise_multiplier=1.0,
+                                 max_grad_norm=1.0, seed=0)
+    model[0].requires_grad_(True)
+    with pytest.raises(ValueError, match="does not clip"):
+        opt.add_param_group({"params": model[0].weight})
+    assert len(opt.param_groups) == 1
+    model[0].requires_grad_(False)
+    opt.add_param_group({"params": iter([model[0].bias]), "lr": 0.5})  # frozen: allowed
+    assert len(opt.original_optimizer.param_groups) == 2
+
+
+def test_a_parameter_frozen_after_make_private_is_not_updated():
+    """Its release (noise, accounted) is dropped: post-processing."""
+    model = mlp()
+    model, opt, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 DataLoader(data(), batch_size=8), noise_multiplier=1.0,
+                                 max_grad_norm=1.0, seed=0)
+    x, y = data().tensors
+    model[2].requires_grad_(False)
+    frozen = [p.detach().clone() for p in model[2].parameters()]
+    first = model[0].weight.detach().clone()
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert all(torch.equal(p, f) for p, f in zip(model[2].parameters(), frozen))
+    assert not torch.equal(model[0].weight, first)
 
 
 def test_registered_through_the_entry_point_without_importing_torch_early():
