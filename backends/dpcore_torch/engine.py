@@ -49,13 +49,19 @@ def check_per_example(module: nn.Module) -> None:
 
 
 def _check_layer(name: str, sub: nn.Module) -> None:
-    if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
+    # PyTorch normalises with the batch's statistics in training mode, and in eval mode too
+    # when it keeps no running statistics (track_running_stats=False)
+    if isinstance(sub, nn.modules.batchnorm._BatchNorm) and (sub.training
+                                                             or sub.running_mean is None):
         c = sub.num_features
+        state = ("is in training mode" if sub.training else
+                 "keeps no running statistics (track_running_stats=False)")
+        fix = ("call .eval() on it to use frozen running statistics" if sub.running_mean
+               is not None else "construct it with track_running_stats=True and call .eval()")
         raise NotPerExampleError(
-            f"{type(sub).__name__} {name!r} is in training mode: it normalises each example "
-            f"with statistics of the whole batch, so per-example gradients (and DP) are "
-            f"undefined. Replace it with nn.GroupNorm({min(32, c)}, {c}) (or nn.LayerNorm), or "
-            f"call .eval() on it to use frozen running statistics")
+            f"{type(sub).__name__} {name!r} {state}: it normalises each example with "
+            f"statistics of the whole batch, so per-example gradients (and DP) are undefined. "
+            f"Replace it with nn.GroupNorm({min(32, c)}, {c}) (or nn.LayerNorm), or {fix}")
     if isinstance(sub, (nn.MultiheadAttention, nn.RNNBase)) and not sub.batch_first:
         raise NotPerExampleError(
             f"{type(sub).__name__} {name!r} has batch_first=False: dpcore needs the examples on "

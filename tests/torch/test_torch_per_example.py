@@ -310,6 +310,16 @@ def test_batchnorm_in_training_mode_is_refused_with_a_fix():
     engine.detach()
 
 
+@pytest.mark.parametrize("affine", [False, True])
+def test_batchnorm_without_running_statistics_is_refused_in_eval_mode_too(affine):
+    """With track_running_stats=False PyTorch normalises by the batch's statistics in eval mode
+    as well: removing one record would move every other record's gradient."""
+    model = nn.Sequential(nn.Linear(3, 4),
+                          nn.BatchNorm1d(4, affine=affine, track_running_stats=False)).eval()
+    with pytest.raises(NotPerExampleError, match="track_running_stats=True"):
+        PerExampleEngine(model)
+
+
 def test_batch_second_attention_is_refused():
     with pytest.raises(NotPerExampleError, match="batch_first=True"):
         PerExampleEngine(nn.MultiheadAttention(4, 2))
