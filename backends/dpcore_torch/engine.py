@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from .fallback import FallbackUnit, replaying
-from .layers import (PREFERENCES, RULES, Rule, add_contraction, keep_rows,
-                     row_sq_norms)
+from .layers import (PREFERENCES, RULES, AccumulationError, Rule, add_contraction,
+                     keep_rows, row_sq_norms)
 from .recurrent import RECURRENT_RULES
 
 MODES = ("auto", "vmap")
@@ -36,10 +36,6 @@ class NotPerExampleError(ValueError):
 
 class LeakedGradientError(RuntimeError):
     """A parameter got a gradient that no instrumented layer saw per example."""
-
-
-class AccumulationError(RuntimeError):
-    """Gradients of several backward passes in one step (gradient accumulation)."""
 
 
 def check_per_example(module: nn.Module) -> None:
@@ -77,19 +73,21 @@ def _refuse_training_batchnorm(name: str):
 
 
 def _accumulation_error(unit) -> AccumulationError:
-    """For a unit with a back-propagated call made after a backward pass had reached another
-    of its calls: two batches, two backward passes, one step. Pairing row i of the two batches
-    as one example would clip two records together (twice the sensitivity). Calls made after
-    a backward pass and never back-propagated (an evaluation forward with gradients on)
-    contribute zero and pass."""
+    """For a unit with a back-propagated call made after a backward pass had reached some
+    call of the step: two batches, two backward passes, one step. Pairing row i of the two
+    batches as one example would clip two records together (twice the sensitivity). Calls
+    made after a backward pass and never back-propagated (an evaluation forward with
+    gradients on) contribute zero and pass; so do calls that activation checkpointing
+    recomputes during a backward pass, and several backward passes through one forward."""
     return AccumulationError(
-        f"{type(unit.module).__name__} was back-propagated in two backward passes since the "
-        f"last step (gradient accumulation). dpcore clips each example within one backward "
-        f"pass: for a Poisson sample split into micro-batches, call optimizer.accumulate() "
-        f"(in a custom loop: dpcore_torch.step.clip_into) after each micro-batch's backward "
-        f"pass and optimizer.step() once per sample. If the earlier pass was not for this "
-        f"step's gradient (torch.autograd.grad for adversarial inputs, say), call "
-        f"optimizer.zero_grad() (engine.clear()) before the training forward pass")
+        f"{type(unit.module).__name__} was back-propagated for a forward pass made after an "
+        f"earlier backward pass of this step (gradient accumulation). dpcore clips each "
+        f"example within one forward pass: for a Poisson sample split into micro-batches, "
+        f"call optimizer.accumulate() (in a custom loop: dpcore_torch.step.clip_into) after "
+        f"each micro-batch's backward pass and optimizer.step() once per sample. If the "
+        f"earlier pass was not for this step's gradient (torch.autograd.grad for adversarial "
+        f"inputs, say), call optimizer.zero_grad() (engine.clear()) before the training "
+        f"forward pass")
 
 
 class _RuleUnit:
@@ -145,6 +143,7 @@ class PerExampleEngine:
         self.units: list = []
         self._handles = []
         self._leaked: set[str] = set()
+        self._waiting: set[int] = set()  # ids of unreached calls kept through a clear()
         self._summed: dict[str, torch.Tensor] = {}  # leaves used several times: sum of uses
         if mode == "vmap":
             self._add_fallback(module, recurse=True, prefix="")
@@ -198,11 +197,19 @@ class PerExampleEngine:
         self.units, self._handles = [], []
 
     def clear(self) -> None:
-        """Forget the inputs and backprops kept for the current step."""
+        """Forget the inputs and backprops kept for the current step. A call no backward pass
+        has reached yet is kept through one ``clear`` (``optimizer.zero_grad()`` between a
+        forward and its backward pass), and forgotten at the next."""
+        kept = set()
         for unit in self.units:
+            waiting = [call for call in unit.calls
+                       if call.reached_at is None and id(call) not in self._waiting]
             for call in unit.calls:
-                call.release()
-            unit.calls.clear()
+                if call.reached_at is not None or id(call) in self._waiting:
+                    call.release()
+            unit.calls[:] = waiting
+            kept.update(id(call) for call in waiting)
+        self._waiting = kept
         self._leaked.clear()
         self._summed.clear()
 
@@ -220,21 +227,16 @@ class PerExampleEngine:
                 f"same Parameter to two modules), or make_private(..., mode='vmap')")
         contributions: dict[str, list] = {leaf: [] for leaf in self.params}
         sizes, unreached = set(), set()
-        for unit in self.units:
-            born, reached = -1, None  # the unit's latest call and first backprop
-            for call in unit.calls:
-                if not call.reached:  # output unused by the loss: contributes zero
-                    unreached.add(call.batch_size)
-                    continue
-                sizes.add(call.batch_size)
-                if call.born > born:
-                    born = call.born
-                if reached is None or call.reached_at < reached:
-                    reached = call.reached_at
-                for key, leaf in unit.names.items():
-                    contributions[leaf].append((unit, call, key))
-            if reached is not None and born > reached:
+        reached = [(unit, call) for unit in self.units for call in unit.calls if call.reached]
+        first = min((call.reached_at for _, call in reached), default=None)
+        for unit, call in reached:
+            if call.born is not None and call.born > first:  # made after a backward pass
                 raise _accumulation_error(unit)
+            sizes.add(call.batch_size)
+            for key, leaf in unit.names.items():
+                contributions[leaf].append((unit, call, key))
+        for unit in self.units:  # outputs unused by the loss: contribute zero
+            unreached.update(call.batch_size for call in unit.calls if not call.reached)
         sizes = sizes or unreached  # nothing reached: all per-example gradients are zero
         if len(sizes) > 1:
             raise ValueError(f"the layers saw batches of different sizes {sorted(sizes)} in one "

@@ -23,7 +23,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten
 
-from .layers import cast_to, keep_rows, tick
+from .layers import birth, cast_to, keep_rows, late_backward, tick
 
 _state = threading.local()
 
@@ -54,7 +54,7 @@ class Call:
         self.args, self.kwargs = args, kwargs
         self.g = [None] * n_outputs
         self.cache = None
-        self.born, self.reached_at = tick(), None
+        self.born, self.reached_at = birth(), None
 
     def release(self) -> None:
         """Drop the tensors (output hooks may still hold this object)."""
@@ -113,6 +113,8 @@ class FallbackUnit:
     @staticmethod
     def _keeper(call, k):
         def keep(g):
+            if not call.g:  # released
+                raise late_backward()
             call.g[k] = g if call.g[k] is None else call.g[k] + g
             if call.reached_at is None:
                 call.reached_at = tick()

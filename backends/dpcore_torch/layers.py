@@ -50,10 +50,28 @@ def cast_to(t, dtype):
     return t.to(dtype)
 
 
+class AccumulationError(RuntimeError):
+    """Gradients of several backward passes in one step (gradient accumulation)."""
+
+
 #: ``tick()``: a number larger than every earlier one, for when a call was made or first
-#: reached by a backward pass (the engine refuses a step whose calls were made after a
-#: backward pass reached the same layer: gradients accumulated over several backward passes).
+#: reached by a backward pass (the engine refuses a step with a back-propagated call made
+#: after a backward pass had reached another: two batches clipped as one).
 tick = itertools.count().__next__
+
+
+def birth() -> int | None:
+    """When a layer call is made: ``tick()``, or None during a backward pass (activation
+    checkpointing recomputes forward passes there; such calls may follow a backward pass)."""
+    return tick() if torch._C._current_graph_task_id() == -1 else None
+
+
+def late_backward() -> AccumulationError:
+    """For a backward pass through a call whose step was already taken or cleared."""
+    return AccumulationError(
+        "a backward pass reached a layer call whose inputs dpcore no longer keeps: its step "
+        "was taken, or optimizer.zero_grad() was called after it was back-propagated (or "
+        "twice since it was made). Run each step's forward pass after the previous step")
 
 
 class Use:
@@ -65,11 +83,14 @@ class Use:
 
     def __init__(self, x, aux=None):
         self.x, self.g, self.aux, self.cache = x, None, aux, {}
-        self.born, self.reached_at = tick(), None
+        self.born, self.reached_at = birth(), None
 
     def arrive(self, g) -> None:
-        """Keep the backprop ``g`` of this call's output, from the backward pass."""
-        self.g = g
+        """Add the backprop ``g`` of this call's output, from a backward pass (several
+        backward passes through one forward, e.g. one per loss term, add up)."""
+        if self.x is None:
+            raise late_backward()
+        self.g = g if self.g is None else self.g + g
         if self.reached_at is None:
             self.reached_at = tick()
 
@@ -116,7 +137,6 @@ class _Linear(torch.autograd.Function):
         if len(shape) != 2:
             g = g.reshape(*shape[:-1], g.shape[-1])
         ctx.use.arrive(cast_to(g, weight.dtype))
-        ctx.use = None  # the graph may outlive the step: keep no reference
         gx = g.matmul(cast_to(weight, g.dtype)) if ctx.needs_input_grad[1] else None
         return None, gx, None, None
 
@@ -133,7 +153,6 @@ class _Conv(torch.autograd.Function):
     def backward(ctx, g):
         weight = ctx.saved_tensors[0]
         ctx.use.arrive(cast_to(g, weight.dtype))
-        ctx.use = None  # the graph may outlive the step: keep no reference
         gx = None
         if ctx.needs_input_grad[1]:
             conv_input = conv1d_input if len(ctx.shape) == 3 else conv2d_input
@@ -150,7 +169,6 @@ class _Embedding(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         ctx.use.arrive(g)
-        ctx.use = None  # the graph may outlive the step: keep no reference
         return None, None, None, None, None, None, None
 
 
@@ -166,7 +184,6 @@ class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         ctx.use.arrive(cast_to(g, ctx.dtype))
-        ctx.use = None  # the graph may outlive the step: keep no reference
         gx = None
         if ctx.needs_input_grad[1]:
             x, mean, rstd, weight, bias = ctx.saved_tensors
@@ -189,7 +206,6 @@ class _GroupNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         ctx.use.arrive(cast_to(g, ctx.dtype))
-        ctx.use = None  # the graph may outlive the step: keep no reference
         gx = None
         if ctx.needs_input_grad[1]:
             x, mean, rstd, weight = ctx.saved_tensors

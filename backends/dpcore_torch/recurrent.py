@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from .layers import LinearRule, Rule, Use, _Linear, cast_to, tick
+from .layers import LinearRule, Rule, Use, _Linear, birth, cast_to, tick
 
 _LINEAR = LinearRule()
 
@@ -124,8 +124,8 @@ class _StepLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         weight = ctx.saved_tensors[0]
-        steps, ctx.steps = ctx.steps, None  # the graph may outlive the step
-        steps.gs[ctx.k] = cast_to(g, weight.dtype)
+        steps, g_w = ctx.steps, cast_to(g, weight.dtype)
+        steps.gs[ctx.k] = g_w if steps.gs[ctx.k] is None else steps.gs[ctx.k] + g_w
         if steps.reached_at is None:
             steps.reached_at = tick()
         gu = g.matmul(cast_to(weight, g.dtype)) if ctx.needs_input_grad[2] else None
@@ -140,7 +140,7 @@ class RecurrentCall:
     __slots__ = ("maps", "batch", "born")
 
     def __init__(self, batch: int):
-        self.maps, self.batch, self.born = {}, batch, tick()
+        self.maps, self.batch, self.born = {}, batch, birth()
 
     def part(self, name: str) -> Use:
         use = self.maps[name]

@@ -381,6 +381,101 @@ def test_two_backward_passes_in_one_step_are_refused_before_any_release():
     assert len(opt.ledger.steps()) == 2
 
 
+def two_towers():
+    """Two Linear towers on the two halves of the input's features."""
+    class Towers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+        def forward(self, x, tower):
+            return self.a(x[:, :3]) if tower == "a" else self.b(x[:, 3:])
+
+    return Towers()
+
+
+def test_two_backward_passes_through_different_layers_are_refused_too():
+    """Batch A through tower a, batch B through tower b, one step: no layer saw two batches,
+    yet row i of A and of B would be clipped as one record."""
+    from dpcore_torch import AccumulationError
+
+    ds = data()
+    model = two_towers()
+    model, opt, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 DataLoader(ds, batch_size=8), noise_multiplier=1.0,
+                                 max_grad_norm=1.0, seed=0)
+    x, y = ds.tensors
+    F.cross_entropy(model(x[:8], "a"), y[:8]).backward()
+    F.cross_entropy(model(x[8:16], "b"), y[8:16]).backward()
+    with pytest.raises(AccumulationError, match="Linear"):
+        opt.step()
+    assert [type(e).__name__ for e in opt.ledger.events] == ["SamplingEvent"]
+
+
+def oracle_steps(loop, steps=3):
+    """Parameters after ``steps`` steps of ``loop(model, opt, x, y)`` on the private MLP (zero
+    noise, a binding clip), and after the same steps in the usual order."""
+    ds = data()
+    x, y = ds.tensors[0][:8], ds.tensors[1][:8]
+    results = []
+    for body in (loop, None):
+        model = mlp()
+        model, opt, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                                     DataLoader(ds, batch_size=8), noise_multiplier=0.0,
+                                     max_grad_norm=0.1, seed=0)
+        for _ in range(steps):
+            if body is None:
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+            else:
+                body(model, opt, x, y)
+            opt.step()
+        assert [type(e).__name__ for e in opt.ledger.events].count("SamplingEvent") == steps
+        results.append([p.detach().clone() for p in model.parameters()])
+    return results
+
+
+def test_zero_grad_between_the_forward_and_the_backward_pass_is_the_same_step():
+    """out = model(x); opt.zero_grad(); loss.backward(): a common loop order."""
+    def loop(model, opt, x, y):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+
+    got, want = oracle_steps(loop)
+    assert not torch.equal(got[0], mlp()[0].weight)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_backward_pass_per_loss_term_through_one_forward_adds_up():
+    """loss1.backward(retain_graph=True); loss2.backward(): the per-example gradient is that of
+    loss1 + loss2 (here half the loss twice)."""
+    def loop(model, opt, x, y):
+        opt.zero_grad()
+        out = model(x)
+        F.cross_entropy(out, y).mul(0.5).backward(retain_graph=True)
+        F.cross_entropy(out, y).mul(0.5).backward()
+
+    for a, b in zip(*oracle_steps(loop)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_backward_pass_through_a_forward_whose_inputs_were_released_is_refused():
+    """Back-propagated, then zero_grad(): the kept inputs are gone; a second backward pass
+    through the (retained) graph cannot be clipped."""
+    from dpcore_torch import AccumulationError
+
+    ds = data()
+    model, opt, _ = private_mlp(ds, 8)
+    loss = F.cross_entropy(model(ds.tensors[0][:8]), ds.tensors[1][:8])
+    loss.backward(retain_graph=True)
+    opt.zero_grad()
+    with pytest.raises(AccumulationError, match="no longer keeps"):
+        loss.backward()
+
+
 def test_a_forward_after_the_backward_that_is_never_back_propagated_changes_nothing():
     ds = data()
     x, y = ds.tensors[0][:8], ds.tensors[1][:8]
