@@ -8,8 +8,13 @@ example i, the chain rule gives the per-example gradient
 
 which ``vmap(grad(.))`` evaluates for all i by re-running f on one example at a time (as a batch
 of one). This is the fallback for layers without a rule in :mod:`dpcore_torch.layers`, and with
-the whole model as f it is the ``mode="vmap"`` engine. Inputs must have the examples on axis 0;
-keyword arguments are passed unchanged to every example (e.g. an attention mask shared by all).
+the whole model as f it is the ``mode="vmap"`` engine. Positional tensors must have the examples
+on axis 0 (0-d ones, e.g. a time step, are shared); keyword arguments are passed unchanged to
+every example (e.g. an attention mask shared by all), except PyTorch's per-example padding masks
+(``key_padding_mask``, ``src_key_padding_mask``, ...), which are split like positional tensors.
+Each replayed output must be a batch of one: an output with more rows would make example i's
+"gradient" depend on the other examples (a per-example tensor passed by keyword), and is
+refused.
 """
 
 from __future__ import annotations
@@ -63,19 +68,30 @@ class Call:
     def keep_rows(self, keep) -> None:
         """Zero the rows of the examples where ``keep`` (B,) is False (see
         :meth:`dpcore_torch.layers.Use.keep_rows`)."""
-        self.args = tuple(keep_rows(a, keep) for a in self.args)
+        self.args = tuple(keep_rows(a, keep) if _batched(a) else a for a in self.args)
         self.g = [keep_rows(g, keep) for g in self.g]
         if self.cache is not None:
             self.cache = {k: keep_rows(t, keep) for k, t in self.cache.items()}
 
     @property
     def batch_size(self) -> int:
-        return next(a.shape[0] for a in self.args if isinstance(a, torch.Tensor))
+        return next(a.shape[0] for a in self.args if _batched(a))
 
     @property
     def reached(self) -> bool:
         """Whether the backward pass reached any output (else the call contributes zero)."""
         return any(g is not None for g in self.g)
+
+
+def _batched(a) -> bool:
+    """Whether positional argument ``a`` carries the examples (on axis 0)."""
+    return isinstance(a, torch.Tensor) and a.dim() > 0
+
+
+def _per_example_keywords(kwargs, b: int) -> list[str]:
+    """The keyword arguments split per example: PyTorch's padding masks (B, S)."""
+    return [k for k, v in kwargs.items() if k.endswith("key_padding_mask")
+            and isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b]
 
 
 def _float_tensors(out):
@@ -98,10 +114,11 @@ class FallbackUnit:
     def _on_forward(self, module, args, kwargs, out):
         if replaying() or not torch.is_grad_enabled():
             return
-        if not any(isinstance(a, torch.Tensor) for a in args):
+        if not any(_batched(a) for a in args):
             raise TypeError(f"{type(module).__name__} was called without a positional tensor "
-                            f"argument; dpcore's per-example fallback needs the batch as a "
-                            f"positional tensor with the examples on axis 0")
+                            f"argument of at least one axis; dpcore's per-example fallback "
+                            f"needs the batch as a positional tensor with the examples on "
+                            f"axis 0")
         outputs = _float_tensors(out)
         call = Call(tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
                     kwargs, len(outputs))
@@ -129,21 +146,31 @@ class FallbackUnit:
         if b == 0 or all(g is None for g in call.g):
             call.cache = {k: p.new_zeros((b, *p.shape)) for k, p in params.items()}
             return call.cache
-        positions = [i for i, a in enumerate(call.args) if isinstance(a, torch.Tensor)]
-        for i in positions:
-            if call.args[i].shape[0] != b:
-                raise ValueError(
-                    f"{type(self.module).__name__} got positional tensors with different "
-                    f"leading sizes ({[call.args[j].shape[0] for j in positions]}); dpcore needs "
-                    f"the examples on axis 0 of every positional input (batch_first=True)")
-        module, args, kwargs = self.module, list(call.args), call.kwargs
+        positions = [i for i, a in enumerate(call.args) if _batched(a)]
+        keywords = _per_example_keywords(call.kwargs, b)
+        sizes = [call.args[i].shape[0] for i in positions]
+        if any(size != b for size in sizes):
+            raise ValueError(
+                f"{type(self.module).__name__} got positional tensors with different leading "
+                f"sizes ({sizes}); dpcore needs the examples on axis 0 of every positional "
+                f"input (batch_first=True)")
+        module, args, name = self.module, list(call.args), type(self.module).__name__
 
-        def inner(p, tensors, backprops):
+        def inner(p, tensors, split, backprops):
             full = list(args)
             for i, t in zip(positions, tensors):
                 full[i] = t.unsqueeze(0)
+            kwargs = {**call.kwargs, **{k: t.unsqueeze(0) for k, t in zip(keywords, split)}}
             with _replay():
                 out = _float_tensors(functional_call(module, p, tuple(full), kwargs))
+            for o, g in zip(out, backprops):
+                if g is not None and o.shape != (1, *g.shape):
+                    raise ValueError(
+                        f"{name} replayed on one example gave an output of shape "
+                        f"{tuple(o.shape)}, not (1, {', '.join(map(str, g.shape))}): its "
+                        f"output for one example depends on other examples' data, e.g. a "
+                        f"per-example tensor passed by keyword (shared by every replay). "
+                        f"Pass per-example tensors as positional arguments")
             return sum((o * g.unsqueeze(0)).sum() for o, g in zip(out, backprops)
                        if g is not None)
 
@@ -151,17 +178,19 @@ class FallbackUnit:
         # may be lower), as the layer rules form their gradients
         dtype = next(iter(params.values())).dtype
         tensors = [cast_to(call.args[i], dtype) for i in positions]
+        split = [call.kwargs[k] for k in keywords]
         backprops = [None if g is None else cast_to(g, dtype) for g in call.g]
         dims = [None if g is None else 0 for g in call.g]
         with torch.no_grad(), warnings.catch_warnings():  # the result is data, no graph
             warnings.filterwarnings("ignore", "There is a performance drop")  # expected here
             try:
-                call.cache = vmap(grad(inner), in_dims=(None, 0, dims))(params, tensors,
-                                                                        backprops)
+                call.cache = vmap(grad(inner), in_dims=(None, 0, 0, dims))(params, tensors,
+                                                                           split, backprops)
             except RuntimeError as error:
                 raise RuntimeError(
-                    f"torch.func could not form per-example gradients of "
-                    f"{type(self.module).__name__} ({error}). Layers with a dpcore rule (Linear, "
-                    f"Conv1d/2d, Embedding, LayerNorm, GroupNorm, RNN, GRU, LSTM) need "
-                    f"mode='auto'; any other layer must run under torch.func.vmap") from error
+                    f"torch.func could not form per-example gradients of {name} ({error}). "
+                    f"dpcore replays a layer it has no rule for one example at a time under "
+                    f"torch.func.vmap, which that layer must support: random operations "
+                    f"inside it (dropout: set its probability to 0) and fused kernels (of "
+                    f"RNN, GRU and LSTM, which have a rule in mode='auto') do not") from error
         return call.cache

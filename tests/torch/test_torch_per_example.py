@@ -436,3 +436,56 @@ def test_activation_checkpointing_matches_the_oracle(reentrant):
     got = run_engine(model, x, y, "sum").per_example_grads()
     for n in expected:
         assert close(got[n], expected[n]), n
+
+
+class Padded(nn.Module):
+    """Token sequences with padding (token 0) through a TransformerEncoderLayer (a fallback unit)
+    given the padding mask by keyword, as PyTorch's layers pass it on to MultiheadAttention."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 8, padding_idx=0)
+        self.block = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, k):
+        pad = k == 0
+        h = self.block(self.emb(k), src_key_padding_mask=pad)
+        return self.fc(h.masked_fill(pad[..., None], 0).sum(1))
+
+
+def test_padding_masks_passed_by_keyword_are_split_per_example():
+    gen = torch.Generator().manual_seed(5)
+    torch.manual_seed(5)
+    model = Padded().double()
+    x = torch.randint(1, 11, (5, 6), generator=gen)
+    x[0, 4:], x[3, 2:] = 0, 0  # padded tails of two lengths
+    y = torch.randint(0, 3, (5,), generator=gen)
+    expected = oracle(copy.deepcopy(model), x, y)
+    got = run_engine(model, x, y, "mean").per_example_grads()
+    for n in expected:
+        assert close(got[n], expected[n]), n
+
+
+def test_a_per_example_tensor_passed_by_keyword_to_a_fallback_is_refused():
+    """Shared by every one-example replay, it would make example i's gradient depend on every
+    record: the replay's output of B rows is refused."""
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3, 2))
+
+        def forward(self, x, scale):
+            return torch.tanh(x @ self.w) * scale
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f, self.out = Scaled(), nn.Linear(2, 3)
+
+        def forward(self, x):
+            return self.out(self.f(x, scale=x[:, :1]))
+
+    engine = run_engine(Net(), torch.randn(4, 3), torch.randint(0, 3, (4,)), "sum")
+    with pytest.raises(ValueError, match="positional arguments"):
+        engine.per_example_grads()
