@@ -11,11 +11,11 @@ released steps depend on the data.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Iterator
 
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import default_collate
-from torch.utils._pytree import tree_map
 
 from dpcore import PoissonSampler
 
@@ -46,7 +46,9 @@ class PoissonBatchSampler(Sampler[list[int]]):
 
 
 class _EmptySafeCollate:
-    """``collate`` that turns an empty list into a zero-example batch shaped like one example."""
+    """``collate`` that turns an empty list into a zero-example batch shaped like one example:
+    its tensors cut to zero rows, its lists of one value per example (strings, say) emptied.
+    Nothing else of that example may pass: it was not sampled."""
 
     def __init__(self, dataset: Dataset, collate):
         self.dataset, self.collate = dataset, collate
@@ -54,8 +56,30 @@ class _EmptySafeCollate:
     def __call__(self, examples):
         if examples:
             return self.collate(examples)
-        one = self.collate([self.dataset[0]])
-        return tree_map(lambda t: t[:0] if hasattr(t, "shape") and len(t.shape) else t, one)
+        return _no_rows(self.collate([self.dataset[0]]))
+
+
+def _no_rows(batch):
+    """The zero-example version of ``batch``, a collated batch of one example."""
+    if hasattr(batch, "shape") and len(batch.shape):
+        return batch[:0]
+    if isinstance(batch, Mapping):
+        return type(batch)({key: _no_rows(value) for key, value in batch.items()})
+    if isinstance(batch, (list, tuple)):
+        if all(_is_value(item) for item in batch):  # one value per example
+            return type(batch)()
+        items = [_no_rows(item) for item in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    raise TypeError(
+        f"cannot form an empty Poisson sample: the collated batch holds a "
+        f"{type(batch).__name__} that is neither a tensor nor a list with one value per "
+        f"example, and it would carry an unsampled record's data. Make collate_fn return "
+        f"tensors or lists of per-example values")
+
+
+def _is_value(item) -> bool:
+    """Whether ``item`` is a per-example value in a list (not a tensor or a container)."""
+    return not (hasattr(item, "shape") or isinstance(item, (Mapping, list, tuple)))
 
 
 def poisson_loader(dataset: Dataset, q: float, *, steps: int | None = None, seed=None,

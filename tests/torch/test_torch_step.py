@@ -167,6 +167,39 @@ def test_poisson_loader_sizes_and_empty_batches():
     assert abs(mean - 1.0) < 0.2
 
 
+class Notes(torch.utils.data.Dataset):
+    """Records with raw text: a dict (text, label), or a (features, text) pair."""
+
+    def __init__(self, kind):
+        self.kind = kind
+
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, i):
+        text = ["alice's note", "bob's note", "carol's note"][i]
+        return {"text": text, "label": i} if self.kind == "dict" else (torch.ones(2) * i, text)
+
+
+@pytest.mark.parametrize("kind", ["dict", "pair"])
+def test_an_empty_sample_carries_no_record(kind):
+    """The empty batch is shaped like a collated record, but no value of that record (a
+    string field would pass through as it is) reaches it: it was not sampled."""
+    loader = poisson_loader(Notes(kind), 1e-9, steps=1, seed=0)
+    (batch,) = list(loader)
+    if kind == "dict":
+        assert batch["text"] == [] and batch["label"].shape == (0,)
+    else:
+        assert batch[0].shape == (0, 2) and len(batch[1]) == 0  # default_collate: a tuple
+
+
+def test_an_empty_sample_of_a_collate_fn_with_an_unknown_structure_is_refused():
+    loader = poisson_loader(Notes("dict"), 1e-9, steps=1, seed=0,
+                            collate_fn=lambda rows: " ".join(r["text"] for r in rows))
+    with pytest.raises(TypeError, match="unsampled record"):
+        list(loader)
+
+
 def test_functional_step_for_a_custom_loop():
     ds = data()
     model = mlp()
