@@ -29,6 +29,23 @@ from .names import leaf_names, named_leaves
 from .noise import KEY_IMPL, standard_normal
 
 
+_OUTSIDE = ("Call it outside (it compiles its own program), or use "
+            "dpcore_jax.private_optimizer, an optax transformation that writes the ledger from "
+            "inside the program")
+
+
+def refuse_tracers(what: str, *values, advice: str = _OUTSIDE) -> None:
+    """Raise if any of ``values`` (results of the step's program) is a tracer: ``what`` runs
+    on the host between compiled programs (it advances the aggregator's noise key, and
+    writes the ledger), which inside a user's ``jax.jit`` would happen once, at tracing,
+    while every call of the cached program reused the traced key's noise and wrote nothing."""
+    if any(isinstance(value, jax.core.Tracer) for value in values):
+        raise RuntimeError(
+            f"{what} cannot run inside jax.jit or another JAX transformation: it advances the "
+            f"aggregator's noise key on the host, so a traced call would reuse one noise draw "
+            f"(and record one step). {advice}")
+
+
 def make_key(seed: int | None = None) -> jax.Array:
     """A typed ``threefry2x32`` key from all 64 bits of ``seed`` (an int in [0, 2^64)), or
     from 64 bits of OS entropy when ``seed`` is None. (``jax.random.key`` keeps only 32 bits
@@ -109,6 +126,7 @@ class JaxBackend(contract.Backend):
         clips = jnp.asarray([g.clip for g in mechanism.groups])
         sums, nonfinite, factors = clipping_kernel(loss_fn, clip_free(mechanism))(
             params, batch, mask, clips)
+        refuse_tracers("JaxBackend.private_gradient", nonfinite)
         if aggregator.on_nonfinite == "raise" and int(nonfinite):
             raise NonFiniteNormError(
                 f"{int(nonfinite)} record(s) of this batch have a NaN or infinite gradient "

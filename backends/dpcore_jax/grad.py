@@ -22,7 +22,7 @@ from dpcore.aggregation import NonFiniteNormError
 from dpcore.ledger import SumQueryEvent
 from dpcore.queries import Group, Mechanism
 
-from .backend import JaxBackend
+from .backend import JaxBackend, refuse_tracers
 from .clipping import clipped_sums, noisy_mean
 from .noise import NoiseSource
 
@@ -73,6 +73,8 @@ class _Compiled:
         """Host side of a step: advance the key (the step's ``key``, or the one after the
         separate draw), raise on non-finite norms (policy ``"raise"``), write the step's
         sum-query events."""
+        refuse_tracers("a compiled private step (private_grad, PrivateStep, train)", key,
+                       self._drawn, nonfinite)
         # advanced even if nothing is released: no key is reused
         self.aggregator.rng = key if self._drawn is None else self._drawn
         if self.aggregator.on_nonfinite == "raise":

@@ -29,6 +29,7 @@ from jax.experimental import io_callback
 
 from dpcore import _validation as check
 
+from .backend import refuse_tracers
 from .clipping import noisy_mean
 from .grad import check_aggregator, sum_query_events
 
@@ -65,9 +66,13 @@ def _release_fn(aggregator):
 
 
 def _split_key(aggregator):
-    if isinstance(aggregator.rng, jax.core.Tracer):
-        raise RuntimeError("init must run outside jit: it splits the aggregator's key on the host")
-    aggregator.rng, key = jax.random.split(aggregator.rng)
+    """A key for the optimizer state, split off the aggregator's on the host. A traced
+    ``init`` (inside ``jax.jit``) would split once, at tracing, and give every state its
+    program makes the same key: refused."""
+    rng, key = jax.random.split(aggregator.rng)
+    refuse_tracers("the private optimizer's init", rng,
+                   advice="Call init outside jit; its state can then enter jitted steps")
+    aggregator.rng = rng
     return key
 
 

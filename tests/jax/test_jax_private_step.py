@@ -227,6 +227,47 @@ def test_optax_transformation_adds_noise_once_per_logical_batch():
     assert kinds == [SamplingEvent, SumQueryEvent] * 3
 
 
+@pytest.mark.parametrize("entry", ["private_grad", "PrivateStep", "backend"])
+def test_a_host_side_step_inside_the_users_jit_is_refused(entry):
+    """Traced once, it would advance the key and write the ledger once, and every call of
+    the cached program would add the same noise: refused, nothing released or recorded, the
+    aggregator's key untouched."""
+    rng = np.random.default_rng(10)
+    loss_fn, params = models.model(rng, "logistic")
+    batch = models.data(rng, "logistic", 8)
+    agg = aggregator(dpcore.flat(["b", "w"], 1.0, 1.0), n=80, q=0.1, seed=0,
+                     on_nonfinite="drop")
+    agg.sample()
+    key = agg.rng
+    if entry == "private_grad":
+        call = private_grad(loss_fn, agg)
+    elif entry == "PrivateStep":
+        step = PrivateStep(loss_fn, optax.sgd(0.1), agg)
+        state = step.init(params)
+        call = lambda p, b: step(p, state, b)  # noqa: E731
+    else:
+        call = lambda p, b: dpcore.get_backend("jax").private_gradient(  # noqa: E731
+            loss_fn, p, b, agg)
+    with pytest.raises(RuntimeError, match="inside jax.jit"):
+        jax.jit(call)(params, batch)
+    assert agg.rng is key and [type(e) for e in agg.ledger.events] == [SamplingEvent]
+
+
+def test_the_optax_init_inside_jit_is_refused():
+    """A traced init would give every state of its cached program the same noise key."""
+    rng = np.random.default_rng(11)
+    _, params = models.model(rng, "logistic")
+    agg = aggregator(dpcore.flat(["b", "w"], 1.0, 1.0), n=80, q=0.1, seed=0)
+    key = agg.rng
+    for k in (1, 3):
+        opt = private_optimizer(optax.sgd(0.1), agg, accumulation_steps=k)
+        with pytest.raises(RuntimeError, match="init outside jit"):
+            jax.jit(opt.init)(params)
+        assert agg.rng is key
+    first, second = opt.init(params), opt.init(params)  # outside: distinct keys
+    assert not np.array_equal(jax.random.key_data(first.key), jax.random.key_data(second.key))
+
+
 def test_compiled_shapes_over_a_thousand_poisson_steps_stay_few():
     rng = np.random.default_rng(7)
     loss_fn, params = models.model(rng, "logistic")
