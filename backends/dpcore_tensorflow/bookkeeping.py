@@ -52,6 +52,53 @@ def _cast(structure, dtype):
     return tf.nest.map_structure(cast, structure)
 
 
+def _unfed(plan, recorder, x, losses) -> set[int]:
+    """The tapped layers (keys of ``plan``) whose output is not fed by the batch: every
+    tapped call's output z must have the examples on axis 0, so that its backprop rows are
+    the examples' own. A layer called on something the batch does not feed (positions from
+    ``keras.ops.arange`` in a position embedding) gets the backprop summed over the
+    examples instead, whatever its shape (T positions for a batch of T examples would pass a
+    shape check). In a traced step such a z is unreachable in the graph from the inputs
+    ``x``; its layer's variables then take the vectorized fallback. A fed z must have the
+    batch's leading size."""
+    graph = not tf.executing_eagerly()
+    fed = _fed_by(tf.nest.flatten(x)) if graph else None
+    batch, unfed = losses.shape[0], set()
+    for key, saves in recorder.saved.items():
+        name = plan[key][0].name
+        if graph and any(z.op.name not in fed for _, z in saves):
+            unfed.add(key)
+            continue
+        for _, z in saves:
+            if batch is not None and z.shape.rank and z.shape[0] is not None:
+                if z.shape[0] != batch:
+                    raise ValueError(f"layer {name!r} gave an output of {z.shape[0]} rows for a "
+                                     f"batch of {batch}: dpcore needs the examples on axis 0 "
+                                     f"of every layer's input (or mode='vectorized')")
+            elif z.shape.rank:
+                tf.debugging.assert_equal(
+                    tf.shape(z)[0], tf.shape(losses)[0],
+                    message=f"layer {name!r}: the examples must be on axis 0 of its input")
+    if unfed:
+        warnings.warn(f"layers {sorted(plan[key][0].name for key in unfed)} were called on a "
+                      f"tensor the batch does not feed (e.g. positions from keras.ops.arange): "
+                      f"their per-example gradients take the vectorized fallback",
+                      FallbackWarning, stacklevel=2)
+    return unfed
+
+
+def _fed_by(inputs) -> set[str]:
+    """Names of the graph operations that depend on any of ``inputs``."""
+    fed, stack = set(), [t.op for t in inputs if tf.is_tensor(t)]
+    while stack:
+        op = stack.pop()
+        if op.name in fed:
+            continue
+        fed.add(op.name)
+        stack.extend(c for out in op.outputs for c in out.consumers())
+    return fed
+
+
 class ClippedGradients:
     """Clip factors and clipped sums of ``model``'s per-example gradients (see module doc).
 
@@ -92,13 +139,19 @@ class ClippedGradients:
     def _grad_objects(self, x, y, loss_fn: Callable, mask: tf.Tensor):
         """Forward pass under the taps and one backward pass: ({path: gradient object},
         losses (B,), model outputs)."""
-        with tf.GradientTape(persistent=bool(self.fallback)) as tape:
+        # persistent: a fallback found while tracing (a layer the batch does not feed) needs
+        # the tape after the taps' gradient (in a graph this keeps nothing more alive)
+        with tf.GradientTape(persistent=True) as tape:
             recorder = layer_taps.Recorder(tape)
             with layer_taps.tapped(self.plan, recorder):
                 losses, outputs = self._forward(x, y, loss_fn)
             masked = tf.where(mask, losses, tf.zeros_like(losses))
             total = tf.reduce_sum(masked)
-        taps = [(key, z) for key, saves in recorder.saved.items() for _, z in saves]
+        unfed = _unfed(self.plan, recorder, x, losses)
+        fallback = self.fallback + [v for key in unfed
+                                    for v in self.plan[key][1].variables(self.plan[key][0])]
+        taps = [(key, z) for key, saves in recorder.saved.items() if key not in unfed
+                for _, z in saves]
         grads = tape.gradient(total, [z for _, z in taps],
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
         by_layer: dict[int, list] = {}
@@ -107,17 +160,17 @@ class ClippedGradients:
         objects = {}
         kernel_mode = self.mode if self.mode in lg.MODES else "auto"
         for key, (layer, tap) in self.plan.items():
-            if key in recorder.saved:
+            if key in recorder.saved and key not in unfed:
                 # under a mixed-precision policy, in the variables' dtype: the norms are then
                 # those of the very gradients that are summed
                 dtype = layer.variable_dtype
                 saved = [_cast(s, dtype) for s, _ in recorder.saved[key]]
                 gs = [_cast(g, dtype) for g in by_layer[key]]
                 objects.update(tap.grads(layer, saved, gs, kernel_mode))
-        if self.fallback:
-            jac = tape.jacobian(masked, self.fallback, experimental_use_pfor=True,
+        if fallback:
+            jac = tape.jacobian(masked, fallback, experimental_use_pfor=True,
                                 unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            for v, rows in zip(self.fallback, jac):
+            for v, rows in zip(fallback, jac):
                 objects[v.path] = lg.Materialised(rows, v.shape)
         batch = tf.shape(losses)[0]
         for v in self.variables:  # tapped layers the forward pass did not reach

@@ -115,7 +115,15 @@ class PrivateGradients:
         return [means[name] for name in self.engine.names], losses, outputs, bad
 
     def __call__(self, x, y, mask=None) -> list[tf.Tensor]:
-        """One DP step's private average gradient, aligned with ``model.trainable_variables``."""
+        """One DP step's private average gradient, aligned with ``model.trainable_variables``.
+        Call it eagerly: it writes the ledger on the host, which inside a ``tf.function``
+        would happen once, at tracing."""
+        if tf.inside_function():
+            raise RuntimeError(
+                "PrivateGradients(...)(x, y, mask) writes the step's ledger events on the host, "
+                "so it cannot run inside a tf.function (they would be written once, at "
+                "tracing, for every step the function runs). Call it eagerly (its step is "
+                "compiled), or call record_step() eagerly and graph_step() in your function")
         if mask is None:
             mask = tf.ones([tf.shape(tf.nest.flatten(x)[0])[0]], tf.bool)
         inputs = self.record_step()

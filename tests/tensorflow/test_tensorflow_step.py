@@ -236,3 +236,62 @@ def test_box_muller_noise_is_standard_normal(dtype):
     assert abs(np.mean(np.abs(z) > 3) - 2 * stats.norm.sf(3)) < 5e-4
     pairs = z[:400_000].reshape(2, -1)  # cos and sin halves of one (u, v) are uncorrelated
     assert abs(np.corrcoef(pairs)[0, 1]) < 0.01
+
+
+def test_the_tape_style_call_inside_a_tf_function_is_refused():
+    """Traced, it would write one step's events for every step the function runs."""
+    model = cnn(5)
+    x, y = data(seed=5)
+    agg = aggregator(model, 1.0, 1.0, on_nonfinite="drop")
+    dp = PrivateGradients(model, CE, agg)
+
+    @tf.function
+    def train_step(x, y):
+        return dp(x, y)
+
+    with pytest.raises(RuntimeError, match="cannot run inside a tf.function"):
+        train_step(x, y)
+    assert len(agg.ledger.events) == 0
+
+
+class TokensAndPositions(L.Layer):
+    """keras.io's token-and-position embedding; with ``per_example`` the positions are given
+    one row per example, computed from the batch."""
+
+    def __init__(self, per_example, **kwargs):
+        super().__init__(**kwargs)
+        self.per_example = per_example
+        self.tokens, self.positions = L.Embedding(9, 4), L.Embedding(5, 4)
+
+    def call(self, ids):
+        positions = keras.ops.arange(ids.shape[1])
+        if self.per_example:
+            positions = keras.ops.zeros_like(ids) + positions
+        return self.tokens(ids) + self.positions(positions)
+
+
+@pytest.mark.parametrize("batch", [5, 6])  # 5: as many examples as positions
+def test_a_layer_the_batch_does_not_feed_takes_the_fallback(batch):
+    """Embedding(arange(T)) has no example axis: its backprop is summed over the batch, and
+    with B = T the taps would clip positions as if they were examples. Its table takes the
+    vectorized fallback instead; positions given per example are tapped."""
+    from dpcore_tensorflow.bookkeeping import FallbackWarning
+
+    rng = np.random.default_rng(6)
+    x = rng.integers(0, 9, size=(batch, 5)).astype("int32")
+    y = rng.integers(0, 3, size=batch).astype("int32")
+    grads = {}
+    for per_example in (False, True):
+        keras.utils.set_random_seed(6)
+        model = keras.Sequential([keras.Input((5,), dtype="int32"),
+                                  TokensAndPositions(per_example), L.Flatten(), L.Dense(3)])
+        for mode in ("auto", "vectorized"):
+            step = PrivateGradients(model, CE, aggregator(model, 0.01, 0.0), mode=mode)
+            if mode == "auto" and not per_example:
+                with pytest.warns(FallbackWarning, match="does not feed"):
+                    grads[per_example, mode] = step(x, y)
+            else:
+                grads[per_example, mode] = step(x, y)
+    for key in grads:
+        for a, b in zip(grads[key], grads[False, "vectorized"]):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-8)
