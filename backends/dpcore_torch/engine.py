@@ -157,7 +157,7 @@ class PerExampleEngine:
     def _walk(self, module: nn.Module, prefix: str) -> None:
         own = {k: p for k, p in module.named_parameters(recurse=False) if p.requires_grad}
         rule = RULES.get(type(module)) or RECURRENT_RULES.get(type(module))
-        if rule is not None and own:
+        if rule is not None and own and rule.knows(module, own):
             for attr in own:
                 rule.check(module, prefix.rstrip(".") or "<root>")
             names = {attr: self._leaf_of[id(p)] for attr, p in own.items()}

@@ -195,6 +195,7 @@ class _LayerNorm(torch.autograd.Function):
 class _GroupNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, use, x, weight, bias, groups, eps):
+        x = x.contiguous()  # the native kernel's layout (a transposed input is legal)
         n, c = x.shape[0], x.shape[1]
         hw = math.prod(x.shape[2:])
         out, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, hw, groups, eps)
@@ -293,6 +294,11 @@ class Rule:
 
     def check(self, module: nn.Module, name: str) -> None:
         """Raise if ``module``'s configuration makes per-example gradients undefined."""
+
+    def knows(self, module: nn.Module, attrs) -> bool:
+        """Whether parameters ``attrs`` of ``module`` are those the rule forms gradients of (a
+        reparametrised layer, e.g. by the hook-based ``weight_norm``, has others)."""
+        return set(attrs) <= {"weight", "bias"}
 
     def forward(self, module, use_list, args, kwargs):
         raise NotImplementedError
@@ -672,7 +678,7 @@ class GroupNormRule(Rule):
                                 module.eps)
 
     def grad(self, module, use, name):
-        g = use.g.flatten(2)
+        g = use.g.reshape(*use.g.shape[:2], math.prod(use.g.shape[2:]))  # (N, C, L); (N, C): L 1
         if name == "bias":
             return g.sum(-1)
         mean, rstd = use.aux

@@ -178,6 +178,11 @@ class RecurrentRule(Rule):
     sequences, and their cells on (B, d); parameter ``weight_hh_l0_reverse`` is the weight of
     map ``hh_l0_reverse``."""
 
+    def knows(self, module, attrs):
+        names = getattr(module, "_flat_weights_names",
+                        ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
+        return set(attrs) <= set(names)
+
     def forward(self, module, use_list, args, kwargs):
         cell = isinstance(module, nn.RNNCellBase)
         x, hx = _inputs(module, args, kwargs, 2 if cell else 3)

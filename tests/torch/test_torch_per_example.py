@@ -489,3 +489,50 @@ def test_a_per_example_tensor_passed_by_keyword_to_a_fallback_is_refused():
     engine = run_engine(Net(), torch.randn(4, 3), torch.randint(0, 3, (4,)), "sum")
     with pytest.raises(ValueError, match="positional arguments"):
         engine.per_example_grads()
+
+
+def test_a_reparametrised_linear_takes_the_fallback():
+    """The hook-based weight_norm leaves an nn.Linear whose parameters are weight_g and
+    weight_v: the Linear rule (of weight and bias) must not claim them."""
+    import warnings
+
+    def model():
+        torch.manual_seed(7)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # deprecated, still shipped
+            return nn.Sequential(nn.utils.weight_norm(nn.Linear(4, 3).double()), nn.Tanh(),
+                                 nn.Linear(3, 3).double())
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 4, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (5,), generator=gen)
+    expected = oracle(model(), x, y)  # (a module with weight_norm cannot be deep-copied)
+    got = run_engine(model(), x, y, "mean").per_example_grads()
+    assert set(got) == {"0.bias", "0.weight_g", "0.weight_v", "2.weight", "2.bias"}
+    for n in expected:
+        assert close(got[n], expected[n]), n
+
+
+class Norms(nn.Module):
+    """GroupNorm on a transposed (non-contiguous) input and on (N, C) vectors."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.seq_gn, self.vec_gn = nn.Linear(4, 6), nn.GroupNorm(2, 6), nn.GroupNorm(3, 6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):  # x (B, T, 4)
+        h = self.seq_gn(self.fc(x).transpose(1, 2)).mean(2)
+        return self.out(torch.tanh(self.vec_gn(h)))
+
+
+def test_group_norm_on_transposed_and_vector_inputs():
+    gen = torch.Generator().manual_seed(8)
+    torch.manual_seed(8)
+    model = Norms().double()
+    x = torch.randn(5, 7, 4, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (5,), generator=gen)
+    expected = oracle(copy.deepcopy(model), x, y)
+    got = run_engine(model, x, y, "sum").per_example_grads()
+    for n in expected:
+        assert close(got[n], expected[n]), n
