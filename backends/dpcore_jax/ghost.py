@@ -52,7 +52,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jax.lax import GatherScatterMode
 
 from .backend import one_example_loss
@@ -121,13 +121,15 @@ def plan(loss_fn: Callable, params, example) -> Plan:
                 uses[param_vars[v]].append(None)
 
     walk(closed.jaxpr, dict(zip(closed.jaxpr.invars[:len(names)], names)))
+    # an operation two leaves enter (A @ B of a LoRA update, W * s) is no site of either:
+    # a site's rule takes every other input of its operation as data
+    shared = [found[0][0] for found in uses.values() if len(found) == 1 and found[0]]
+    shared = {index for index in shared if shared.count(index) > 1}
     sites, fallback = [], []
     for name in names:
         found = uses[name]
-        ok = (len(found) == 1 and found[0] is not None and _inner(found[0][2]) is None
-              and len(found[0][2].outvars) == 1 and not found[0][2].params.get("call_jaxpr")
-              and not found[0][2].params.get("jaxpr")
-              and jnp.issubdtype(found[0][2].outvars[0].aval.dtype, jnp.floating))
+        ok = (len(found) == 1 and found[0] is not None and found[0][0] not in shared
+              and _single_operation(found[0][2]))
         if ok:
             index, position, eqn = found[0]
             sites.append(Site(name, index, position, eqn))
@@ -135,6 +137,16 @@ def plan(loss_fn: Callable, params, example) -> Plan:
             fallback.append(name)
         # a leaf the loss never reads has gradient 0: neither a site nor a fallback
     return Plan(closed, names, tuple(sites), tuple(fallback))
+
+
+def _single_operation(eqn) -> bool:
+    """Whether ``eqn`` is one primitive with one floating output and no inner program
+    (calls, control flow such as ``cond``'s branches, custom derivatives)."""
+    inner = any(isinstance(v, (Jaxpr, ClosedJaxpr)) or (
+        isinstance(v, (tuple, list)) and any(isinstance(u, (Jaxpr, ClosedJaxpr)) for u in v))
+        for v in eqn.params.values())
+    return (not inner and not eqn.primitive.multiple_results and len(eqn.outvars) == 1
+            and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating))
 
 
 def _bind(eqn, invals):

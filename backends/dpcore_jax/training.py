@@ -68,6 +68,8 @@ def train(loss_fn: Callable, params, data, aggregator, optimizer: optax.Gradient
     private_step = PrivateStep(loss_fn, optimizer, aggregator, chunk_size=chunk_size,
                                method=method)
     opt_state = private_step.init(params)
+    if buckets is None and chunk_size is not None:  # every bucket splits into chunks
+        buckets = Buckets(aggregator.expected_size, aggregator.q, multiple_of=chunk_size)
     batches = PoissonBatches(data, aggregator, buckets=buckets)
     for t in range(steps):
         params, opt_state = private_step(params, opt_state, *batches.next())

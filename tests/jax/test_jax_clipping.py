@@ -274,3 +274,48 @@ def test_convolution_norms_by_kernel_offsets_match_the_float64_oracle(name):
     norms = np.sqrt(sum((per_example[k].reshape(6, -1) ** 2).sum(1) for k in ("conv", "out")))
     assert (norms > 0.5).sum() >= 3  # the clip binds, so the norms matter
     assert_close(named_leaves(sums), oracle_sums(per_example, mechanism, mask), name)
+
+
+def _shared_operation_models():
+    """Losses where one operation takes two leaves, or control flow takes a leaf."""
+    def lora(p, batch):  # W0 + A @ B with C = r = F: shapes that would line up
+        x, y = batch
+        return jnp.sum((jnp.tanh(x @ (p["W0"] + p["A"] @ p["B"])) - y) ** 2, axis=1)
+
+    def scaled(p, batch):
+        x, y = batch
+        return jnp.sum((jnp.tanh(x @ (p["W"] * p["s"])) - y) ** 2, axis=1)
+
+    def concatenated(p, batch):
+        x, y = batch
+        return jnp.sum((jnp.tanh(x @ jnp.concatenate([p["a"], p["b"]], axis=1)) - y) ** 2,
+                       axis=1)
+
+    def branching(p, batch):
+        x, y = batch
+        h = jax.lax.cond(jnp.sum(x) > 0, lambda w: x @ w, lambda w: -(x @ w), p["W"])
+        return jnp.sum((jnp.tanh(h) - y) ** 2, axis=1)
+
+    rng = np.random.default_rng(12)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape) / 2, jnp.float32)  # noqa: E731
+    return {"lora": (lora, {"W0": normal(3, 3), "A": normal(3, 3), "B": normal(3, 3)}),
+            "scaled": (scaled, {"W": normal(3, 3), "s": normal(3)}),
+            "concatenated": (concatenated, {"a": normal(3, 2), "b": normal(3, 1)}),
+            "branching": (branching, {"W": normal(3, 3)})}
+
+
+@pytest.mark.parametrize("name", ["lora", "scaled", "concatenated", "branching"])
+def test_leaves_sharing_an_operation_or_under_control_flow_take_the_fallback(name):
+    """A site's rule takes every other input of its operation as data: two leaves in one
+    operation (a LoRA update) would each see the other as data; cond's branches are not one
+    operation. The ghost method's clipped sums equal the vmap method's."""
+    loss_fn, params = _shared_operation_models()[name]
+    rng = np.random.default_rng(13)
+    batch = (jnp.asarray(rng.normal(size=(6, 3)), jnp.float32),
+             jnp.asarray(rng.normal(size=(6, 3)), jnp.float32))
+    mask = jnp.ones(6, bool)
+    mechanism = dpcore.per_layer(leaf_sizes(params), 0.05, 0.0)
+    ghost_sums, _ = clipped_sums(loss_fn, mechanism, method="ghost")(params, batch, mask)
+    vmap_sums, _ = clipped_sums(loss_fn, mechanism, method="vmap")(params, batch, mask)
+    assert_close(named_leaves(ghost_sums), {k: np.asarray(v) for k, v in
+                                            named_leaves(vmap_sums).items()}, name)

@@ -147,6 +147,22 @@ def test_ledger_has_each_step_before_its_result_and_seeds_reproduce():
         assert not np.allclose(a, c)
 
 
+def test_train_in_chunks_pads_every_sample_to_whole_chunks():
+    """chunk_size m: the buckets are multiples of m (a bucket of 21 rows in chunks of 8 would
+    not split), and chunked steps equal the unchunked ones."""
+    rng = np.random.default_rng(14)
+    loss_fn, params = models.model(rng, "mlp")
+    x, y = models.data(rng, "mlp", 200)
+    results = []
+    for chunk_size in (None, 8):
+        agg = aggregator(dpcore.flat(leaf_names(params), 1.0, 1.0), n=200, q=0.1, seed=3)
+        out, _ = train(loss_fn, params, (x, y), agg, optax.sgd(0.1), steps=3,
+                       chunk_size=chunk_size)
+        results.append(out)
+    for a, b in zip(*map(jax.tree_util.tree_leaves, results)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_prefetch_draws_the_same_samples_and_writes_each_sampling_event_when_its_step_begins():
     rng = np.random.default_rng(12)
     x, y = models.data(rng, "mlp", 300)
