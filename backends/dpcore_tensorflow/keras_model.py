@@ -87,7 +87,12 @@ class PrivateModel(keras.Model):
             mask = tf.ones([tf.shape(tf.nest.flatten(x)[0])[0]], tf.bool)
         state = self._dp_state
         grads, losses, outputs, bad = state.dp.graph_step(x, y, mask, state.clips, state.stds)
-        self.optimizer.apply(grads, state.dp.variables)
+        optimizer = self.optimizer
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            # Keras wraps it under mixed_float16 and would divide by the loss scale; the
+            # private gradient comes from per-example losses that were never scaled
+            optimizer = optimizer.inner_optimizer
+        optimizer.apply(grads, state.dp.variables)
         weight = tf.cast(mask, losses.dtype)
         count = tf.reduce_sum(weight)
         for metric in self.metrics:

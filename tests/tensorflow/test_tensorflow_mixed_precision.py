@@ -67,3 +67,26 @@ def test_a_private_fit_runs_under_the_policy(mixed_bfloat16):
     assert len(private.aggregator.ledger.steps()) == 1
     after = [v.numpy() for v in net.trainable_variables]
     assert all(np.isfinite(a).all() and (a != b).any() for a, b in zip(after, before))
+
+
+def test_mixed_float16_updates_are_not_divided_by_a_loss_scale():
+    """Keras wraps the optimizer in a LossScaleOptimizer, which would divide the private
+    gradient (from unscaled per-example losses) by 2^15. SGD(1), zero noise, no clipping,
+    q = 1: the update times q n is the summed gradient."""
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        rng = np.random.default_rng(1)
+        x = rng.normal(size=(16, 3)).astype("float32")
+        y = rng.normal(size=(16, 1)).astype("float32")
+        net = keras.Sequential([keras.Input((3,)), L.Dense(1, use_bias=False, dtype="float32",
+                                                           kernel_initializer="zeros")])
+        private = make_private(net, n=16, q=1.0, max_grad_norm=1e6, noise_multiplier=0.0,
+                               seed=0)
+        private.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")
+        private.fit(x, y, epochs=1, steps_per_epoch=1, verbose=0)
+        assert isinstance(private.optimizer, keras.optimizers.LossScaleOptimizer)
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+    step = -net.get_weights()[0].ravel() * 16
+    np.testing.assert_allclose(step, (-2 * x * y).sum(0), rtol=1e-5)
