@@ -137,7 +137,16 @@ class PrivateModel(keras.Model):
             if value is not None:
                 raise ValueError(f"{name}={value!r} does not apply to a private model: batches "
                                  f"are Poisson samples at rate q={self.aggregator.q}")
-        if not isinstance(x, tf.data.Dataset):
+        if isinstance(x, tf.data.Dataset):
+            spec = x.element_spec
+            if not (isinstance(spec, tuple) and len(spec) == 3
+                    and getattr(spec[2], "dtype", None) == tf.bool):
+                raise ValueError(
+                    f"a dataset given to a private model's fit must yield (x, y, mask) Poisson "
+                    f"batches with a bool padding mask (dpcore_tensorflow.poisson_dataset); got "
+                    f"elements {spec}. Fixed-size batches would be accounted as Poisson samples "
+                    f"they are not, and sample weights do not apply")
+        else:
             steps = steps_per_epoch or max(1, round(1 / self.aggregator.q))
             x = poisson_dataset(x, y, sampler=self.aggregator.sampler, steps=steps)
             y, steps_per_epoch = None, None

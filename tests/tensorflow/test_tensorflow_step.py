@@ -224,6 +224,19 @@ def test_fit_on_a_poisson_dataset_and_a_custom_loop_share_the_ledger():
     assert agg.ledger.steps() == [dpcore.Step(0.1, 0.5, 5)]
 
 
+@pytest.mark.parametrize("extra", ["none", "weights"])
+def test_fit_refuses_a_dataset_without_a_padding_mask(extra):
+    """Fixed-size batches would be accounted as Poisson samples; float sample weights would be
+    read as a padding mask (0.25 as full weight)."""
+    x, y = data(40, seed=10)
+    private = make_private(cnn(10), n=40, batch_size=8, noise_multiplier=1.0, seed=0)
+    private.compile(optimizer="sgd", loss=CE)
+    parts = (x, y) if extra == "none" else (x, y, np.full(40, 0.25, "float32"))
+    with pytest.raises(ValueError, match="bool padding mask"):
+        private.fit(tf.data.Dataset.from_tensor_slices(parts).batch(8), epochs=1, verbose=0)
+    assert len(private.aggregator.ledger.events) == 0
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_box_muller_noise_is_standard_normal(dtype):
     from scipy import stats
