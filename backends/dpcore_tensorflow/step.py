@@ -31,7 +31,11 @@ from .kernels import GroupClipper, clips_of, leaf_stds_of, noisy_mean, structure
 def per_example_loss(loss) -> Callable:
     """``(y_true, y_pred) -> (B,)`` from a Keras loss (object, name or function): the
     unreduced loss, averaged over every axis but the first (Keras's mean over all elements
-    is the mean of these)."""
+    is the mean of these). A Keras mask on ``y_pred`` (``Embedding(mask_zero=True)``) keeps
+    the masked positions out, as Keras's own loss does: example i's loss is the mean over its
+    unmasked positions, what Keras gives for a batch of that example alone (Keras's batch
+    loss weights the examples by their numbers of positions, which would make one record's
+    loss depend on the others)."""
     if isinstance(loss, keras.losses.Loss):
         fn = loss.call
     else:
@@ -41,13 +45,19 @@ def per_example_loss(loss) -> Callable:
                              f"(y_true, y_pred) -> per-example losses, got {loss!r}")
 
     def losses(y_true, y_pred):
+        mask = getattr(y_pred, "_keras_mask", None)
         values = tf.convert_to_tensor(fn(y_true, y_pred))
         if values.shape.rank == 0:
             raise ValueError(f"loss {loss!r} returned a scalar; DP needs one loss per example "
                              f"(pass a Keras loss or a function without batch reduction)")
-        if values.shape.rank > 1:
-            values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
-        return values
+        axes = list(range(1, values.shape.rank))
+        if mask is not None and mask.shape.rank == values.shape.rank:
+            weight = tf.cast(mask, values.dtype)
+            if not axes:
+                return values * weight
+            return (tf.reduce_sum(values * weight, axis=axes)
+                    / tf.maximum(tf.reduce_sum(weight, axis=axes), 1.0))
+        return tf.reduce_mean(values, axis=axes) if axes else values
 
     return losses
 

@@ -308,3 +308,26 @@ def test_a_layer_the_batch_does_not_feed_takes_the_fallback(batch):
     for key in grads:
         for a, b in zip(grads[key], grads[False, "vectorized"]):
             np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-8)
+
+
+@pytest.mark.parametrize("mode", ["auto", "vectorized"])
+def test_masked_positions_are_left_out_of_each_example_loss(mode):
+    """Embedding(mask_zero=True): Keras's loss drops padded positions; each example's loss is
+    Keras's loss on that example alone."""
+    rng = np.random.default_rng(11)
+    x = rng.integers(1, 10, size=(6, 7)).astype("int32")
+    x[:, 4:], x[0, 2:] = 0, 0  # padding of two lengths
+    y = rng.integers(0, 3, size=(6, 7)).astype("int32")
+    keras.utils.set_random_seed(11)
+    model = keras.Sequential([keras.Input((7,), dtype="int32"),
+                              L.Embedding(10, 4, mask_zero=True), L.Dense(3)])
+    agg = aggregator(model, 1e6, 0.0)
+    grads = PrivateGradients(model, CE, agg, mode=mode)(x, y)
+    want = [np.zeros(v.shape) for v in model.trainable_variables]
+    for i in range(len(x)):
+        with tf.GradientTape() as tape:
+            loss = CE(y[i:i + 1], model(x[i:i + 1], training=True))
+        for w, g in zip(want, tape.gradient(loss, model.trainable_variables)):
+            w += tf.convert_to_tensor(g).numpy()
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(g.numpy(), w / agg.expected_size, rtol=1e-4, atol=1e-7)
