@@ -55,10 +55,12 @@ def check_no_regularizers(model: keras.layers.Layer) -> None:
 
 
 def _rows(x: tf.Tensor, width: int) -> tf.Tensor:
-    """(B, ..., width) -> (B, T, width), with T static when the middle axes are."""
-    middle = x.shape[1:-1]
-    if all(d is not None for d in middle):
-        return tf.reshape(x, [-1, math.prod(middle), width])
+    """(B, ..., width) -> (B, T, width), the trailing axes of size ``width`` in all (one
+    axis, or the several a LayerNormalization normalises), with T static when the other
+    axes are."""
+    rest = x.shape[1:]
+    if all(d is not None for d in rest):
+        return tf.reshape(x, [-1, math.prod(rest) // width, width])
     return tf.reshape(x, [tf.shape(x)[0], -1, width])
 
 
@@ -383,7 +385,7 @@ class LayerNormalizationTap(_Tap):
         if axes != list(range(rank - len(axes), rank)):
             raise ValueError(f"layer {layer.name!r}: LayerNormalization over axes {layer.axis} "
                              f"of rank-{rank} inputs; DP clipping supports trailing axes only "
-                             f"(e.g. axis=-1); use clipping='vectorized' for this model")
+                             f"(e.g. axis=-1); use mode='vectorized' for this model")
         return axes
 
     def call(self, layer, recorder):

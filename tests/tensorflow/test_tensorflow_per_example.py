@@ -75,6 +75,9 @@ def cases():
         "layernorm_rms": (lambda: _model([
             f64(L.LayerNormalization, rms_scaling=True), f64(L.Dense, 2)], (6, 4)),
             seq, rng.normal(size=(B, 6, 2)), mse),
+        "layernorm_two_axes": (lambda: _model([  # normalises (6, 4) per example
+            f64(L.LayerNormalization, axis=[-2, -1]), f64(L.Dense, 2)], (6, 4)),
+            seq, rng.normal(size=(B, 6, 2)), mse),
     }
 
 
