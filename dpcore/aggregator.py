@@ -85,6 +85,7 @@ class PrivateAggregator:
                         else clipping.bind(mechanism, self.expected_size))
         self.budget = budget
         self._mechanism = None
+        self._last_release = -1  # the last step released
         self._enter(-1)
 
     def _enter(self, step: int) -> None:
@@ -165,11 +166,11 @@ class PrivateAggregator:
 
         Adaptive clipping also needs the step's clip ``factors`` (and ``mask``) to count the
         unclipped records; its counts are released as groups of their own."""
-        if self._step < 0:
-            raise RuntimeError("no sample to release from: call sample() or begin_step() first")
+        self._check_unreleased()
         self._mechanism.check_leaves(clipped_sums)
         counts = self._count_sums(factors, mask)
         self.ledger.record_sum_queries(self._events)
+        self._last_release = self._step
         self.rng, released = aggregation.noisy_average(
             {**clipped_sums, **counts}, self._released, self.rng, self.backend.standard_normal,
             self.expected_size, xp=self.backend.namespace())
@@ -177,6 +178,17 @@ class PrivateAggregator:
             self._policy.observe(released)
             released = {leaf: released[leaf] for leaf in self._mechanism.leaves}
         return released
+
+    def _check_unreleased(self) -> None:
+        """A step must have begun; under a budget, it is released once: the budget priced
+        the step as one release, and a second query of the same sample could overrun it."""
+        if self._step < 0:
+            raise RuntimeError("no sample to release from: call sample() or begin_step() first")
+        if self.budget is not None and self._last_release == self._step:
+            raise RuntimeError(
+                f"step {self._step} was released already, and the privacy budget priced it as "
+                f"one release: release every quantity of a step at once (extra groups of the "
+                f"mechanism, e.g. for metrics), or begin a new step (sample() or begin_step())")
 
     def _count_sums(self, factors, mask) -> dict:
         """Adaptive clipping's centred counts of the unclipped records ({} without it)."""
@@ -208,8 +220,10 @@ class PrivateAggregator:
             raise ValueError(f"these noise draws belong to step {draws.step}"
                              f"{' and were released already' if draws.released else ''}; the "
                              f"current step is {self._step}: draw a step's noise once per release")
+        self._check_unreleased()
         counts = self._count_sums(factors, mask)
         self.ledger.record_sum_queries(self._events)
+        self._last_release = self._step
         released = draws.finish(self.expected_size)
         if counts:
             self.rng, noisy_counts = aggregation.noisy_average(

@@ -74,6 +74,31 @@ def test_ledger_gets_one_sampling_event_then_one_query_per_group_each_step():
     assert agg.ledger.steps()[0].noise_multiplier == pytest.approx(MECHANISM.noise_multiplier)
 
 
+@pytest.mark.parametrize("route", ["sums", "noise draws"])
+def test_a_second_release_of_one_step_under_a_budget_is_refused(route):
+    """The budget prices a step as one release: a second query of the same sample would not
+    be stopped (a target of 2 ended at 3.76). Without a budget it is one more sum query of
+    the step."""
+    from dpcore.budget import PrivacyBudget
+
+    like = {leaf: np.zeros(shape) for leaf, shape in SHAPES.items()}
+    for budget in (None, PrivacyBudget(2.0, 1e-5, accountant="rdp")):
+        agg = PrivateAggregator(MECHANISM, n=100, q=0.1, seed=3, budget=budget)
+        agg.sample()
+        for attempt in range(2):
+            release = ((lambda: agg.release_sums(like)) if route == "sums"
+                       else (lambda: agg.release_noisy_sums(agg.noise_draws(like))))
+            if attempt and budget is not None:
+                with pytest.raises(RuntimeError, match="released already"):
+                    release()
+            else:
+                release()
+        queries = 2 if budget is not None else 4
+        assert [type(e) for e in agg.ledger.events] == [SamplingEvent] + [SumQueryEvent] * queries
+        agg.sample()
+        agg.release_sums(like)  # the next step releases again
+
+
 def test_seeds_reproduce_and_differ():
     def run(seed):
         agg = PrivateAggregator(MECHANISM, n=100, q=0.1, seed=seed)
