@@ -5,7 +5,9 @@ Pricing a long ledger at every step would cost more than the step, so the budget
 *credit*: it prices the ledger once and asks the accountant how many more steps at the next
 step's (q, z) fit (:func:`~dpcore.accounting.remaining_steps`); it then spends that credit while
 the steps taken are no costlier (q no larger, z no smaller), and prices the ledger afresh when
-the credit is spent or a costlier step comes. Every answer is therefore the accountant's own.
+the credit is spent or a costlier step comes. Every answer is therefore the accountant's own,
+with every z rounded down onto its grid (which it does itself for a ledger of many distinct
+z): so the finished ledger's epsilon is at most the target whether or not it is rounded.
 """
 
 from __future__ import annotations
@@ -35,8 +37,11 @@ class PrivacyBudget:
         """How many more steps at (q, z) fit in the budget after the steps in ``ledger``."""
         from .accounting import remaining_steps  # scipy.signal and .optimize load slowly
 
+        # priced with every z rounded down onto the accountant's grid, as it prices a ledger
+        # with many distinct z (a moving clip): the budget's view is then never below the
+        # finished ledger's, and a step with z >= z_0 is never costlier than one at z_0
         return remaining_steps(ledger, q, noise_multiplier, self.target_epsilon, self.delta,
-                               accountant=self.accountant)
+                               accountant=self.accountant, max_groups=0)
 
     def allows(self, ledger: Ledger, q: float, noise_multiplier: float) -> bool:
         """Whether one more step at (q, z) keeps ``ledger`` within the budget."""

@@ -57,3 +57,21 @@ def test_bad_budgets():
         PrivacyBudget(-1, 1e-5)
     with pytest.raises(ValueError, match=r"delta must be in \(0, 1\), got 1\.0"):
         PrivacyBudget(1.0, 1.0)
+
+
+def test_a_budget_over_many_distinct_noise_multipliers_ends_within_its_target():
+    """A slowly decreasing clip at fixed noise: z changes at every step, and past 256 distinct
+    values the accountant rounds them down onto its grid (1.0009 onto 1.0). The budget prices
+    with that rounding too, so the finished ledger is within the target (it was at 2.004)."""
+    from dpcore.accounting import guarantee
+
+    agg = PrivateAggregator(flat(["x"], clip=1.0, noise_multiplier=1.0009), n=10_000, q=0.01,
+                            budget=PrivacyBudget(2.0, 1e-5, accountant="rdp"),
+                            clipping=ClipSchedule(decreasing(1e7), hold="noise_std"), seed=0)
+    with pytest.raises(BudgetExhaustedError):
+        while True:
+            agg.begin_step()
+            agg.release_sums({"x": np.zeros(1)})
+    final = guarantee(agg.ledger, 1e-5, accountant="rdp")
+    assert final.rounded and len(agg.ledger.steps()) > 256
+    assert 1.99 < final.epsilon <= 2.0
