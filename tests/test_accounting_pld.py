@@ -208,3 +208,13 @@ def test_many_steps_at_a_small_delta_never_lower_epsilon(delta):
     alone = gaussian_epsilon(0.5, delta)
     composed = PLDAccountant().compose([(1.0, 0.5, 1), (1e-6, 50.0, 100_000)]).epsilon(delta)
     assert alone <= composed <= alone * 1.01
+
+
+@pytest.mark.parametrize("z", [0.02, 1e-300])
+def test_a_noise_multiplier_too_small_for_float64_profiles_is_refused(z):
+    """Losses of 1 / (2 z^2) beyond e^700 overflow the profiles (z = 0.002 once priced 7092
+    where RDP gives 1.3e6; smaller z exhausted memory or divided by zero): refused, with RDP
+    named. Just above the limit the grid is coarsened before it is allocated."""
+    with pytest.raises(ValueError, match="accountant='rdp'"):
+        PLDAccountant([(0.5, z, 10)]).epsilon(1e-5)
+    assert PLDAccountant([(0.5, 0.03, 10)]).epsilon(1e-5) > 10 * 0.5 / 0.03 ** 2

@@ -70,6 +70,8 @@ _SQRT2 = math.sqrt(2.0)
 # more than 1e-40 * 2 / N, far below float64 rounding, and they would otherwise run on as
 # subnormal numbers, which are slow.
 _LOG_UNDERFLOW = -92.0
+# the largest privacy loss whose e^loss float64 holds with room (e^709.8 overflows)
+_MAX_LOSS = 700.0
 # masses below this are moved to +inf (pessimistic) rather than carried as subnormals
 _TINY_MASS = 1e-200
 _FFT_BATCH = 16  # groups transformed together (one batched, multithreaded FFT)
@@ -154,6 +156,8 @@ def connect_the_dots(profile, reverse_profile, lo: float, hi: float, h: float) -
     so the masses keep their precision there.
     """
     i0, i1 = math.floor(lo / h), max(math.ceil(hi / h), 1)  # the grid ends at a loss > 0
+    if i1 - i0 + 1 > MAX_FFT_SIZE:  # (tiny z: huge losses) the caller coarsens h first
+        raise _GridTooFine(i1 - i0 + 1)
     grid = np.arange(i0, i1 + 1) * h
     n = grid.size
     em1 = math.expm1(h)
@@ -189,6 +193,11 @@ def connect_the_dots(profile, reverse_profile, lo: float, hi: float, h: float) -
 def subsampled_gaussian_pld(q: float, z: float, direction: str, h: float,
                             tail_mass: float) -> DiscretePLD:
     """Dominating discrete PLD of one step; the grid covers all but ``tail_mass`` of P."""
+    if 2 * z * z * _MAX_LOSS < 1:  # the loss of x = 1 is about 1 / (2 z^2) + log q
+        raise ValueError(
+            f"noise multiplier z={z} is too small for the PLD accountant: its privacy losses "
+            f"reach 1 / (2 z^2) = {0.5 / max(z * z, 1e-300):.4g}, beyond the {_MAX_LOSS:g} its "
+            f"float64 profiles can represent (e^loss overflows); use accountant='rdp'")
     s = float(special.ndtri(1 - tail_mass)) if tail_mass > 1e-16 else \
         float(-special.ndtri(tail_mass))
     if direction == "remove":  # P = mu_q: losses increase with x
