@@ -48,7 +48,8 @@ def effective_noise_multiplier(tuples: Iterable[tuple[float, float]]) -> float:
     for clip, noise_std in tuples:
         if noise_std == 0:
             return 0.0
-        total += (clip / noise_std) ** 2
+        ratio = clip / noise_std
+        total += ratio * ratio  # inf past 1.3e154 (where ** 2 would raise): z = 0
     return math.inf if total == 0 else total ** -0.5
 
 
