@@ -92,7 +92,5 @@ def test_derived_properties_are_read_only_and_survive_pickling():
 def test_a_query_whose_clip_dwarfs_its_noise_is_noiseless_not_an_overflow():
     """(S / sigma)^2 past float64's range (S / sigma > 1.3e154) raised OverflowError; the
     query is as good as noiseless: z = 0, epsilon infinite."""
-    from dpcore.queries import effective_noise_multiplier
-
     assert effective_noise_multiplier([(1e160, 1.0)]) == 0.0
     assert effective_noise_multiplier([(1e160, 1.0), (1.0, 1.0)]) == 0.0
