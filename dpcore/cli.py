@@ -35,10 +35,21 @@ def _fmt(x) -> str:
 
 def _emit(args, obj: dict, text: str) -> None:
     if args.json:
-        print(json.dumps({k: ("inf" if isinstance(v, float) and math.isinf(v) else v)
-                          for k, v in obj.items()}))
+        print(json.dumps(_finite(obj), allow_nan=False))
     else:
         print(text)
+
+
+def _finite(value):
+    """``value`` with every infinite float, at any depth, as the string "inf" (JSON has no
+    infinity)."""
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 # --------------------------------------------------------------------------- epsilon

@@ -138,6 +138,25 @@ def test_ledger_plot(capsys, ledger_file, tmp_path):
     assert eps == sorted(eps) and obj["points"][-1]["step"] == 120
 
 
+def test_json_output_is_strict_json_at_any_depth(capsys, tmp_path):
+    """A step that released nothing (z = inf) and a noiseless one (epsilon inf): nested
+    infinities are the string "inf", as at the top level (a bare Infinity is not JSON)."""
+    def strict(text):
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"bare {name}"))
+
+    path = tmp_path / "run.jsonl"
+    with Ledger(path) as ledger:
+        ledger.record_sampling(0.01, 60000)  # nothing released: z = inf
+        ledger.record_sampling(0.01, 60000)
+        ledger.record_sum_queries([SumQueryEvent("grads", 1.0, 0.0)])  # noiseless
+    _, out, _ = run(capsys, "ledger", "show", str(path), "--json")
+    assert [r["noise_multiplier"] for r in strict(out)["runs"]] == ["inf", 0.0]
+    pytest.importorskip("matplotlib")
+    _, out, _ = run(capsys, "ledger", "plot", str(path), "-o", str(tmp_path / "e.png"),
+                    "--delta", "1e-5", "--points", "2", "--json")
+    assert strict(out)["points"][-1]["epsilon"] == "inf"
+
+
 def test_ledger_plot_without_matplotlib(capsys, ledger_file, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     code, _, err = run(capsys, "ledger", "plot", str(ledger_file), "-o",
