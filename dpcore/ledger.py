@@ -150,11 +150,25 @@ def _event_from_json(obj) -> Event:
         raise LedgerError(f"invalid {kind} event: {exc}") from None
 
 
+def _unique_keys(pairs) -> dict:
+    """A JSON object whose keys are distinct (``json`` would keep the last of repeated ones,
+    e.g. a second q on a sampling line)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        keys = [k for k, _ in pairs]
+        raise ValueError(f"repeated keys {sorted({k for k in keys if keys.count(k) > 1})}")
+    return obj
+
+
 def _header_from_json(obj) -> Header:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise LedgerError(f"not a dpcore ledger: the first line must be a header with "
                           f"format {FORMAT!r}")
     fields = ("format", "version", "neighbouring", "record", "microbatch_size")
+    missing = [f for f in fields[:4] if f not in obj]  # what the guarantee is about
+    if missing:
+        raise LedgerError(f"invalid header: missing {missing} (only microbatch_size is "
+                          f"optional)")
     try:
         return Header(**{f: obj[f] for f in fields if f in obj})
     except (TypeError, ValueError) as exc:
@@ -349,7 +363,7 @@ def _parse(path: Path, *, allow_torn_tail: bool) -> tuple[Header, list[Event], i
     header, events, sampling_seen = None, [], False
     for number, raw in enumerate(complete, start=1):
         try:
-            obj = json.loads(raw.decode("utf-8"))
+            obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
         except (UnicodeDecodeError, ValueError) as exc:
             raise LedgerError(f"{path}, line {number}: not valid JSON ({exc})") from None
         try:

@@ -107,3 +107,11 @@ def test_bad_input(call, error, message):
 def test_make_accountant_passes_options():
     acc = make_accountant([(0.01, 1.0, 10)], "rdp", orders=[2, 4, 8])
     assert list(acc.orders) == [2, 4, 8]
+
+
+@pytest.mark.parametrize("step", [Step(True, 1.0, 10), Step("0.01", 1.0, 10),
+                                  Step(0.01, "1.0", 10)])
+def test_a_step_object_gets_the_type_checks_a_tuple_gets(step):
+    """numpy would read True as q = 1 and "0.01" as 0.01."""
+    with pytest.raises(TypeError, match="must be a real number"):
+        epsilon([step], 1e-5)

@@ -197,3 +197,16 @@ def test_events_validate_on_construction():
         SumQueryEvent("", 1.0, 1.0)
     with pytest.raises(TypeError, match="expected SamplingEvent or SumQueryEvent"):
         Ledger().write({"event": "sampling"})
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"format": "dpcore-ledger"}'], "missing"),  # a header that lost "record": "user"
+    (['{"format": "dpcore-ledger", "version": 1, "neighbouring": "add_or_remove_one_record", '
+      '"record": "example"}', '{"event": "sampling", "q": 0.5, "n": 1000, "q": 0.001}'],
+     "line 2: not valid JSON .*repeated keys \\['q'\\]"),
+])
+def test_an_incomplete_header_or_a_repeated_key_is_refused(tmp_path, lines, message):
+    path = tmp_path / "run.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(LedgerError, match=message):
+        read_ledger(path)

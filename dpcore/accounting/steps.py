@@ -113,12 +113,17 @@ def _check_all(steps: list[Step]) -> None:
         c = np.array([s.count for s in steps])
         fine = ((q >= 0) & (q <= 1) & (z >= 0) & (c >= 0)
                 & np.array([isinstance(s.count, numbers.Integral) and not isinstance(s.count, bool)
-                            for s in steps]))
+                            and _real(s.q) and _real(s.noise_multiplier) for s in steps]))
     except (TypeError, ValueError):
         fine = np.zeros(len(steps), dtype=bool)
     for i in np.flatnonzero(~fine):
         step = steps[int(i)]
         check_step(step.q, step.noise_multiplier, step.count)  # raises, naming the field
+
+
+def _real(value) -> bool:
+    """A real number, not a bool or a string (which numpy would convert)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def round_noise_down(z: float, resolution: float) -> float:
