@@ -5,9 +5,11 @@ Pricing a long ledger at every step would cost more than the step, so the budget
 *credit*: it prices the ledger once and asks the accountant how many more steps at the next
 step's (q, z) fit (:func:`~dpcore.accounting.remaining_steps`); it then spends that credit while
 the steps taken are no costlier (q no larger, z no smaller), and prices the ledger afresh when
-the credit is spent or a costlier step comes. Every answer is therefore the accountant's own,
-with every z rounded down onto its grid (which it does itself for a ledger of many distinct
-z): so the finished ledger's epsilon is at most the target whether or not it is rounded.
+the credit is spent or a costlier step comes. Every answer is therefore the accountant's own.
+A ledger of more than ``DEFAULT_MAX_GROUPS`` (256) distinct (q, z) (a clip that moves at every step)
+is priced with every z rounded down onto the accountant's grid: from the step that takes the
+ledger there, the budget prices with that rounding too (a step with z >= z_0 then still costs
+no more than one at z_0), so the finished ledger's epsilon is at most the target either way.
 """
 
 from __future__ import annotations
@@ -31,27 +33,38 @@ class PrivacyBudget:
         self.target_epsilon = check.non_negative("target_epsilon", target_epsilon)
         self.delta = check.delta("delta", delta)
         self.accountant = accountant
-        self._credit: list | None = None  # [q, z, steps that fit, steps spent]
+        self._credit: list | None = None  # [q, z, steps that fit, steps spent, rounded]
+        self._seen: set | None = None  # the ledger's distinct (q, z)
 
-    def remaining(self, ledger: Ledger, q: float, noise_multiplier: float) -> int:
-        """How many more steps at (q, z) fit in the budget after the steps in ``ledger``."""
+    def remaining(self, ledger: Ledger, q: float, noise_multiplier: float, *,
+                  rounded: bool = False) -> int:
+        """How many more steps at (q, z) fit in the budget after the steps in ``ledger``
+        (``rounded``: with every z rounded down onto the accountant's grid)."""
         from .accounting import remaining_steps  # scipy.signal and .optimize load slowly
+        from .accounting.rdp import DEFAULT_MAX_GROUPS
 
-        # priced with every z rounded down onto the accountant's grid, as it prices a ledger
-        # with many distinct z (a moving clip): the budget's view is then never below the
-        # finished ledger's, and a step with z >= z_0 is never costlier than one at z_0
         return remaining_steps(ledger, q, noise_multiplier, self.target_epsilon, self.delta,
-                               accountant=self.accountant, max_groups=0)
+                               accountant=self.accountant,
+                               max_groups=0 if rounded else DEFAULT_MAX_GROUPS)
 
     def allows(self, ledger: Ledger, q: float, noise_multiplier: float) -> bool:
         """Whether one more step at (q, z) keeps ``ledger`` within the budget."""
-        if not self._covers(q, noise_multiplier) or self._credit[3] >= self._credit[2]:
-            self._credit = [q, noise_multiplier, self.remaining(ledger, q, noise_multiplier), 0]
-        _, _, fits, spent = self._credit
+        from .accounting.rdp import DEFAULT_MAX_GROUPS
+
+        if self._seen is None:  # a resumed ledger's steps count too
+            self._seen = {(s.q, s.noise_multiplier) for s in ledger.steps()}
+        rounded = len(self._seen | {(q, noise_multiplier)}) > DEFAULT_MAX_GROUPS
+        if (not self._covers(q, noise_multiplier) or self._credit[3] >= self._credit[2]
+                or rounded > self._credit[4]):
+            fits = self.remaining(ledger, q, noise_multiplier, rounded=rounded)
+            self._credit = [q, noise_multiplier, fits, 0, rounded]
+        _, _, fits, spent, _ = self._credit
         return spent < fits
 
     def spend(self, q: float, noise_multiplier: float) -> None:
         """Account for a step just taken at (q, z)."""
+        if self._seen is not None:
+            self._seen.add((q, noise_multiplier))
         if self._covers(q, noise_multiplier):
             self._credit[3] += 1
         else:
