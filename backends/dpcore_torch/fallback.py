@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .layers import birth, cast_to, keep_rows, late_backward, tick
 
@@ -83,6 +83,22 @@ class Call:
         return any(g is not None for g in self.g)
 
 
+class _Kept(torch.autograd.Function):
+    """A copy of a module's output that is a view: its backprop goes to ``keep``. (An
+    in-place operation on the view itself, such as a residual ``h += x`` on an attention
+    output, would rebase it, and a hook on the view would never fire.)"""
+
+    @staticmethod
+    def forward(ctx, t, keep):
+        ctx.keep = keep
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.keep(g)
+        return g, None
+
+
 def _batched(a) -> bool:
     """Whether positional argument ``a`` carries the examples (on axis 0)."""
     return isinstance(a, torch.Tensor) and a.dim() > 0
@@ -119,13 +135,22 @@ class FallbackUnit:
                             f"argument of at least one axis; dpcore's per-example fallback "
                             f"needs the batch as a positional tensor with the examples on "
                             f"axis 0")
-        outputs = _float_tensors(out)
+        leaves, spec = tree_flatten(out)
+        floats = [i for i, t in enumerate(leaves)
+                  if isinstance(t, torch.Tensor) and t.is_floating_point()]
         call = Call(tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
-                    kwargs, len(outputs))
-        for k, t in enumerate(outputs):
-            if t.requires_grad:
+                    kwargs, len(floats))
+        copied = False
+        for k, i in enumerate(floats):
+            t = leaves[i]
+            if not t.requires_grad:
+                continue
+            if t._is_view():  # an in-place op on a view would rebase it past a tensor hook
+                leaves[i], copied = _Kept.apply(t, self._keeper(call, k)), True
+            else:
                 t.register_hook(self._keeper(call, k))
         self.calls.append(call)
+        return tree_unflatten(leaves, spec) if copied else None  # None: the output as it is
 
     @staticmethod
     def _keeper(call, k):

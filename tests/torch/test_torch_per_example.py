@@ -536,3 +536,33 @@ def test_group_norm_on_transposed_and_vector_inputs():
     got = run_engine(model, x, y, "sum").per_example_grads()
     for n in expected:
         assert close(got[n], expected[n]), n
+
+
+class InPlaceResidual(nn.Module):
+    """A residual added in place to MultiheadAttention's output, which is a view (a transpose
+    for batch_first): a hook on the view would be rebased away."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(9, 4)
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, k):
+        x = self.emb(k)
+        h = self.attn(x, x, x, need_weights=False)[0]
+        h += x
+        return self.out(h.mean(1))
+
+
+def test_an_in_place_residual_on_a_fallback_view_output_keeps_its_gradient():
+    gen = torch.Generator().manual_seed(9)
+    torch.manual_seed(9)
+    model = InPlaceResidual().double()
+    x = torch.randint(0, 9, (5, 6), generator=gen)
+    y = torch.randint(0, 3, (5,), generator=gen)
+    expected = oracle(copy.deepcopy(model), x, y)
+    got = run_engine(model, x, y, "sum").per_example_grads()
+    assert expected["attn.in_proj_weight"].abs().max() > 0
+    for n in expected:
+        assert close(got[n], expected[n]), n
