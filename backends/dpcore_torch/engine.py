@@ -101,6 +101,9 @@ class _RuleUnit:
         def forward(*args, **kwargs):
             if replaying() or not torch.is_grad_enabled():
                 return original(*args, **kwargs)
+            if not args and "input" in kwargs:  # layer(input=x)
+                args, kwargs = (kwargs["input"],), {k: v for k, v in kwargs.items()
+                                                    if k != "input"}
             return rule.forward(module, self.calls, args, kwargs)
 
         module.forward = forward
@@ -132,6 +135,12 @@ class PerExampleEngine:
         if loss_reduction not in REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {REDUCTIONS}, got {loss_reduction!r}")
         check_per_example(module)
+        engines = [sub for sub in module.modules() if getattr(sub, "_dpcore_engine", None)]
+        if engines:
+            raise ValueError(
+                f"{type(engines[0]).__name__} is instrumented by a PerExampleEngine already (was "
+                f"the model made private twice?); call that engine's detach() first, or keep "
+                f"using it: two engines would both record every call")
         self.module, self.mode, self.loss_reduction = module, mode, loss_reduction
         self.params: dict[str, nn.Parameter] = {
             name: p for name, p in module.named_parameters() if p.requires_grad}
@@ -152,6 +161,7 @@ class PerExampleEngine:
         self._handles += [sub.register_forward_pre_hook(_refuse_training_batchnorm(name))
                           for name, sub in module.named_modules()
                           if isinstance(sub, nn.modules.batchnorm._BatchNorm)]
+        module._dpcore_engine = True
 
     # ------------------------------------------------------------------ instrumentation
     def _walk(self, module: nn.Module, prefix: str) -> None:
@@ -195,6 +205,7 @@ class PerExampleEngine:
         for handle in self._handles:
             handle.remove()
         self.units, self._handles = [], []
+        self.module.__dict__.pop("_dpcore_engine", None)
 
     def clear(self) -> None:
         """Forget the inputs and backprops kept for the current step. A call no backward pass

@@ -566,3 +566,34 @@ def test_an_in_place_residual_on_a_fallback_view_output_keeps_its_gradient():
     assert expected["attn.in_proj_weight"].abs().max() > 0
     for n in expected:
         assert close(got[n], expected[n]), n
+
+
+def test_a_model_instrumented_twice_is_refused_until_detached():
+    """Two engines would both record every call (the first one for ever)."""
+    model = nn.Sequential(nn.Linear(3, 2))
+    engine = PerExampleEngine(model)
+    with pytest.raises(ValueError, match="already"):
+        PerExampleEngine(model)
+    engine.detach()
+    PerExampleEngine(model)
+
+
+def test_a_layer_called_with_its_input_by_keyword():
+    gen = torch.Generator().manual_seed(10)
+
+    class Keyword(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc(input=x)
+
+    torch.manual_seed(10)
+    model = Keyword().double()
+    x = torch.randn(5, 4, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (5,), generator=gen)
+    expected = oracle(copy.deepcopy(model), x, y)
+    got = run_engine(model, x, y, "sum").per_example_grads()
+    for n in expected:
+        assert close(got[n], expected[n]), n
