@@ -190,6 +190,15 @@ def run_engine(model, x, y, reduction, mode="auto"):
     return engine
 
 
+def assert_matches_oracle(model, x, y, reduction):
+    """The engine's per-example gradients of ``model`` equal the oracle's; returns them."""
+    expected = oracle(copy.deepcopy(model), x, y)
+    got = run_engine(model, x, y, reduction).per_example_grads()
+    for n in expected:
+        assert close(got[n], expected[n]), n
+    return expected
+
+
 def close(a, b):
     scale = max(b.abs().max().item(), 1e-300) if b.numel() else 1.0
     return (a - b).abs().max().item() <= RTOL * scale if b.numel() else a.shape == b.shape
@@ -432,10 +441,7 @@ def test_activation_checkpointing_matches_the_oracle(reentrant):
     model = Checkpointed(reentrant).double()
     x = torch.randn(6, 5, generator=gen, dtype=torch.float64)
     y = torch.randint(0, 3, (6,), generator=gen)
-    expected = oracle(copy.deepcopy(model), x, y)
-    got = run_engine(model, x, y, "sum").per_example_grads()
-    for n in expected:
-        assert close(got[n], expected[n]), n
+    assert_matches_oracle(model, x, y, "sum")
 
 
 class Padded(nn.Module):
@@ -461,10 +467,7 @@ def test_padding_masks_passed_by_keyword_are_split_per_example():
     x = torch.randint(1, 11, (5, 6), generator=gen)
     x[0, 4:], x[3, 2:] = 0, 0  # padded tails of two lengths
     y = torch.randint(0, 3, (5,), generator=gen)
-    expected = oracle(copy.deepcopy(model), x, y)
-    got = run_engine(model, x, y, "mean").per_example_grads()
-    for n in expected:
-        assert close(got[n], expected[n]), n
+    assert_matches_oracle(model, x, y, "mean")
 
 
 def test_a_per_example_tensor_passed_by_keyword_to_a_fallback_is_refused():
@@ -532,10 +535,7 @@ def test_group_norm_on_transposed_and_vector_inputs():
     model = Norms().double()
     x = torch.randn(5, 7, 4, generator=gen, dtype=torch.float64)
     y = torch.randint(0, 3, (5,), generator=gen)
-    expected = oracle(copy.deepcopy(model), x, y)
-    got = run_engine(model, x, y, "sum").per_example_grads()
-    for n in expected:
-        assert close(got[n], expected[n]), n
+    assert_matches_oracle(model, x, y, "sum")
 
 
 class InPlaceResidual(nn.Module):
@@ -561,11 +561,8 @@ def test_an_in_place_residual_on_a_fallback_view_output_keeps_its_gradient():
     model = InPlaceResidual().double()
     x = torch.randint(0, 9, (5, 6), generator=gen)
     y = torch.randint(0, 3, (5,), generator=gen)
-    expected = oracle(copy.deepcopy(model), x, y)
-    got = run_engine(model, x, y, "sum").per_example_grads()
+    expected = assert_matches_oracle(model, x, y, "sum")
     assert expected["attn.in_proj_weight"].abs().max() > 0
-    for n in expected:
-        assert close(got[n], expected[n]), n
 
 
 def test_a_model_instrumented_twice_is_refused_until_detached():
@@ -593,7 +590,4 @@ def test_a_layer_called_with_its_input_by_keyword():
     model = Keyword().double()
     x = torch.randn(5, 4, generator=gen, dtype=torch.float64)
     y = torch.randint(0, 3, (5,), generator=gen)
-    expected = oracle(copy.deepcopy(model), x, y)
-    got = run_engine(model, x, y, "sum").per_example_grads()
-    for n in expected:
-        assert close(got[n], expected[n]), n
+    assert_matches_oracle(model, x, y, "sum")
