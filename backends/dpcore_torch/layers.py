@@ -128,12 +128,12 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, use, x, weight, bias):
         ctx.use, ctx.shape = use, x.shape
-        ctx.save_for_backward(weight)
+        ctx.save_for_backward(weight, x)  # x: autograd's check that nothing changed it in place
         return F.linear(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), weight, bias)
 
     @staticmethod
     def backward(ctx, g):
-        shape, weight = ctx.shape, ctx.saved_tensors[0]
+        shape, (weight, _) = ctx.shape, ctx.saved_tensors
         if len(shape) != 2:
             g = g.reshape(*shape[:-1], g.shape[-1])
         ctx.use.arrive(cast_to(g, weight.dtype))
@@ -145,13 +145,13 @@ class _Conv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, use, x, weight, bias, stride, padding, dilation, groups):
         ctx.use, ctx.conf, ctx.shape = use, (stride, padding, dilation, groups), x.shape
-        ctx.save_for_backward(weight)
+        ctx.save_for_backward(weight, x)  # x: autograd's check that nothing changed it in place
         conv = F.conv1d if x.dim() == 3 else F.conv2d
         return conv(x, weight, bias, stride, padding, dilation, groups)
 
     @staticmethod
     def backward(ctx, g):
-        weight = ctx.saved_tensors[0]
+        weight, _ = ctx.saved_tensors
         ctx.use.arrive(cast_to(g, weight.dtype))
         gx = None
         if ctx.needs_input_grad[1]:

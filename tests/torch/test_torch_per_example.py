@@ -591,3 +591,23 @@ def test_a_layer_called_with_its_input_by_keyword():
     x = torch.randn(5, 4, generator=gen, dtype=torch.float64)
     y = torch.randint(0, 3, (5,), generator=gen)
     assert_matches_oracle(model, x, y, "sum")
+
+
+def test_a_layer_input_changed_in_place_after_the_layer_is_refused():
+    """The kept input would no longer be the one the layer saw: autograd's version check
+    refuses it, as plain PyTorch does."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.a(x) + 1.0
+            out = self.b(h)
+            h.mul_(3.0)  # b's input, after b ran
+            return out + h[:, :2]
+
+    model = Net()
+    PerExampleEngine(model)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(torch.randn(5, 4)).pow(2).sum().backward()
