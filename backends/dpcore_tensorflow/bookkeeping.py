@@ -59,14 +59,18 @@ def _unfed(plan, recorder, x, losses) -> set[int]:
     ``keras.ops.arange`` in a position embedding) gets the backprop summed over the
     examples instead, whatever its shape (T positions for a batch of T examples would pass a
     shape check). In a traced step such a z is unreachable in the graph from the inputs
-    ``x``; its layer's variables then take the vectorized fallback. A fed z must have the
-    batch's leading size."""
+    ``x`` (unless its input has the static shape of one of the inputs: a constant broadcast
+    to the batch); its layer's variables then take the vectorized fallback. A fed z must have
+    the batch's leading size."""
     graph = not tf.executing_eagerly()
-    fed = _fed_by(tf.nest.flatten(x)) if graph else None
+    inputs = [t for t in tf.nest.flatten(x) if tf.is_tensor(t)]
+    fed = _fed_by(inputs) if graph else None
+    shapes = {tuple(t.shape) for t in inputs if t.shape.is_fully_defined()}
     batch, unfed = losses.shape[0], set()
     for key, saves in recorder.saved.items():
         name = plan[key][0].name
-        if graph and any(z.op.name not in fed for _, z in saves):
+        if graph and any(z.op.name not in fed and not _batch_shaped(saved, shapes)
+                         for saved, z in saves):
             unfed.add(key)
             continue
         for _, z in saves:
@@ -82,9 +86,22 @@ def _unfed(plan, recorder, x, losses) -> set[int]:
     if unfed:
         warnings.warn(f"layers {sorted(plan[key][0].name for key in unfed)} were called on a "
                       f"tensor the batch does not feed (e.g. positions from keras.ops.arange): "
-                      f"their per-example gradients take the vectorized fallback",
+                      f"their per-example gradients take the vectorized fallback (slow). "
+                      f"Positions with one row per example, keras.ops.broadcast_to("
+                      f"keras.ops.arange(length), keras.ops.shape(ids)), keep them tapped",
                       FallbackWarning, stacklevel=2)
     return unfed
+
+
+def _batch_shaped(saved, shapes) -> bool:
+    """Whether a call's input (first saved tensor) has the full static shape, of two axes or
+    more, of one of the step's inputs: a constant broadcast to the batch (positions
+    ``broadcast_to(arange(T), (B, T))`` under static shapes), one row per example, which the
+    graph cannot show fed. (Positions (T,) of a model with a (B,) input and B = T would pass
+    a one-axis comparison.)"""
+    first = tf.nest.flatten(saved)[0]
+    return (first.shape.rank is not None and first.shape.rank >= 2
+            and first.shape.is_fully_defined() and tuple(first.shape) in shapes)
 
 
 def _fed_by(inputs) -> set[str]:
