@@ -53,7 +53,8 @@ class PrivacyBudget:
 
         if self._seen is None:  # a resumed ledger's steps count too
             self._seen = {(s.q, s.noise_multiplier) for s in ledger.steps()}
-        rounded = len(self._seen | {(q, noise_multiplier)}) > DEFAULT_MAX_GROUPS
+        new = (q, noise_multiplier) not in self._seen
+        rounded = len(self._seen) + new > DEFAULT_MAX_GROUPS
         if (not self._covers(q, noise_multiplier) or self._credit[3] >= self._credit[2]
                 or rounded > self._credit[4]):
             fits = self.remaining(ledger, q, noise_multiplier, rounded=rounded)
