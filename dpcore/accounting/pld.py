@@ -343,9 +343,9 @@ def compose(plds: list[tuple[DiscretePLD, int]], tail_mass: float) -> ComposedPL
     # the composition in long double, and a posteriori its rounding: the float64 result's
     # distance from it is float64's error, and long double's is that times u_long / u_64
     cyclic = _cyclic_composition(plds, size, _LONG)
-    coarse = _cyclic_composition(plds, size, np.float64)
-    rounding = _ROUNDING_MARGIN * float(np.finfo(_LONG).eps / np.finfo(np.float64).eps) * float(
-        np.abs(cyclic - coarse).sum())
+    ratio = float(np.finfo(_LONG).eps / np.finfo(np.float64).eps)
+    rounding = 0.0 if ratio == 1.0 else _ROUNDING_MARGIN * ratio * float(  # long is float64
+        np.abs(cyclic - _cyclic_composition(plds, size, np.float64)).sum())
     window = np.maximum(np.roll(cyclic, -(start % size)), 0.0)
     return ComposedPLD(start, window, infinity_mass + upper + lower + rounding, h)
 
