@@ -105,8 +105,8 @@ def _batch_shaped(saved, shapes) -> bool:
 
 
 def _fed_by(inputs) -> set[str]:
-    """Names of the graph operations that depend on any of ``inputs``."""
-    fed, stack = set(), [t.op for t in inputs if tf.is_tensor(t)]
+    """Names of the graph operations that depend on any of the tensors ``inputs``."""
+    fed, stack = set(), [t.op for t in inputs]
     while stack:
         op = stack.pop()
         if op.name in fed:

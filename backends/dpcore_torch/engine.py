@@ -211,16 +211,16 @@ class PerExampleEngine:
         """Forget the inputs and backprops kept for the current step. A call no backward pass
         has reached yet is kept through one ``clear`` (``optimizer.zero_grad()`` between a
         forward and its backward pass), and forgotten at the next."""
-        kept = set()
+        waiting = set()
         for unit in self.units:
-            waiting = [call for call in unit.calls
-                       if call.reached_at is None and id(call) not in self._waiting]
-            for call in unit.calls:
-                if call.reached_at is not None or id(call) in self._waiting:
+            calls, unit.calls[:] = list(unit.calls), []
+            for call in calls:
+                if call.reached_at is None and id(call) not in self._waiting:
+                    unit.calls.append(call)
+                    waiting.add(id(call))
+                else:
                     call.release()
-            unit.calls[:] = waiting
-            kept.update(id(call) for call in waiting)
-        self._waiting = kept
+        self._waiting = waiting
         self._leaked.clear()
         self._summed.clear()
 

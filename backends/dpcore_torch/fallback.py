@@ -110,9 +110,12 @@ def _per_example_keywords(kwargs, b: int) -> list[str]:
             and isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b]
 
 
+def _is_float(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
 def _float_tensors(out):
-    leaves, _ = tree_flatten(out)
-    return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return [t for t in tree_flatten(out)[0] if _is_float(t)]
 
 
 class FallbackUnit:
@@ -136,8 +139,7 @@ class FallbackUnit:
                             f"needs the batch as a positional tensor with the examples on "
                             f"axis 0")
         leaves, spec = tree_flatten(out)
-        floats = [i for i, t in enumerate(leaves)
-                  if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        floats = [i for i, t in enumerate(leaves) if _is_float(t)]
         call = Call(tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
                     kwargs, len(floats))
         copied = False
