@@ -158,6 +158,9 @@ class PerExampleEngine:
             self._add_fallback(module, recurse=True, prefix="")
         else:
             self._walk(module, "")
+        # units form every gradient per example; one reaching a parameter is from elsewhere
+        self._handles += [p.register_hook(self._leak_detector(leaf))
+                          for leaf, p in self.params.items()]
         self._handles += [sub.register_forward_pre_hook(_refuse_training_batchnorm(name))
                           for name, sub in module.named_modules()
                           if isinstance(sub, nn.modules.batchnorm._BatchNorm)]
@@ -172,8 +175,6 @@ class PerExampleEngine:
                 rule.check(module, prefix.rstrip(".") or "<root>")
             names = {attr: self._leaf_of[id(p)] for attr, p in own.items()}
             self.units.append(_RuleUnit(module, rule, names))
-            for p, leaf in zip(own.values(), names.values()):
-                self._handles.append(p.register_hook(self._leak_detector(leaf)))
             return
         if own and type(module).__module__.startswith("torch."):
             # a built-in layer without a rule may use its children's parameters functionally
@@ -189,7 +190,7 @@ class PerExampleEngine:
         names = {k: self._leaf_of[id(p)]
                  for k, p in module.named_parameters(recurse=recurse) if p.requires_grad}
         if names:
-            self.units.append(FallbackUnit(module, names))
+            self.units.append(FallbackUnit(module, names, recurse))
 
     def _leak_detector(self, leaf: str):
         def detect(grad):
@@ -231,11 +232,15 @@ class PerExampleEngine:
 
     def _contributions(self) -> tuple[dict[str, list], int]:
         if self._leaked:
+            where = ("the model's forward" if self.mode == "vmap" else
+                     "the forward of the module that owns it")
+            fix = "" if self.mode == "vmap" else ", or make_private(..., mode='vmap')"
             raise LeakedGradientError(
                 f"parameters {sorted(self._leaked)} received gradients from a use dpcore could "
-                f"not see per example (e.g. F.linear(h, layer.weight) outside the layer's own "
-                f"forward). Use the weight only through modules (tie weights by assigning the "
-                f"same Parameter to two modules), or make_private(..., mode='vmap')")
+                f"not see per example, outside {where} (e.g. F.linear(h, layer.weight), or a "
+                f"penalty on the parameters added to the loss). Use the weight only through "
+                f"modules (tie weights by assigning the same Parameter to two modules), and "
+                f"regularise through the optimizer (weight_decay){fix}")
         contributions: dict[str, list] = {leaf: [] for leaf in self.params}
         sizes, unreached = set(), set()
         reached = [(unit, call) for unit in self.units for call in unit.calls if call.reached]

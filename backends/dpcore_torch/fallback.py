@@ -118,20 +118,62 @@ def _float_tensors(out):
     return [t for t in tree_flatten(out)[0] if _is_float(t)]
 
 
+class _Stop(torch.autograd.Function):
+    """A parameter as its fallback module's forward sees it: the gradient stops here, since
+    the replay forms it per example. A gradient that reaches the parameter itself comes from a
+    use outside the module, which the engine refuses (:class:`LeakedGradientError`)."""
+
+    @staticmethod
+    def forward(ctx, p):
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, g):
+        return None
+
+
 class FallbackUnit:
     """A module whose parameters ``names`` (keys relative to the module) get per-example
-    gradients through ``torch.func``."""
+    gradients through ``torch.func``. During its forward pass (from before its other forward
+    pre-hooks, such as weight_norm's, to its forward hooks) the module holds its trainable
+    parameters through :class:`_Stop`."""
 
-    def __init__(self, module: nn.Module, names: dict[str, str]):
+    def __init__(self, module: nn.Module, names: dict[str, str], recurse: bool):
         self.module, self.names = module, names  # key in module -> leaf name
         self.calls: list[Call] = []
-        self._handle = module.register_forward_hook(self._on_forward, with_kwargs=True)
+        self._holders = list(module.modules()) if recurse else [module]
+        self._ours = {id(module.get_parameter(k)) for k in names}
+        self._swapped: list[list] = []  # a stack: a module may call itself
+        self._handles = [
+            module.register_forward_pre_hook(self._stop, prepend=True),
+            module.register_forward_hook(self._restore, prepend=True, always_call=True),
+            module.register_forward_hook(self._on_forward, with_kwargs=True)]
 
     def remove(self) -> None:
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
+
+    def _recording(self) -> bool:
+        return not replaying() and torch.is_grad_enabled()
+
+    def _stop(self, module, args):
+        stops, swapped = {}, []
+        for holder in self._holders if self._recording() else ():
+            for attr, p in holder._parameters.items():
+                if p is not None and id(p) in self._ours:
+                    if id(p) not in stops:
+                        stops[id(p)] = _Stop.apply(p)
+                    swapped.append((holder, attr, p))
+        for holder, attr, p in swapped:
+            holder._parameters[attr] = stops[id(p)]
+        self._swapped.append(swapped)
+
+    def _restore(self, module, args, out):
+        for holder, attr, p in self._swapped.pop():
+            holder._parameters[attr] = p
 
     def _on_forward(self, module, args, kwargs, out):
-        if replaying() or not torch.is_grad_enabled():
+        if not self._recording():
             return
         if not any(_batched(a) for a in args):
             raise TypeError(f"{type(module).__name__} was called without a positional tensor "

@@ -611,3 +611,76 @@ def test_a_layer_input_changed_in_place_after_the_layer_is_refused():
     PerExampleEngine(model)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         model(torch.randn(5, 4)).pow(2).sum().backward()
+
+
+class Gated(nn.Module):
+    """A custom module (a fallback unit of its own parameter)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x):
+        return torch.tanh(x * self.gate)
+
+
+class Custom(nn.Module):
+    """A custom head whose weight is tied to a Linear (one Parameter, a rule unit and a
+    fallback unit), and a gate shared by two custom modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 5)
+        self.g1, self.g2 = Gated(5), Gated(5)
+        self.g2.gate = self.g1.gate
+        self.head = Head(self.inp.weight)
+
+    def forward(self, x):
+        return self.head(self.g2(self.g1(self.inp(x))))[:, :3]
+
+
+class Head(nn.Module):
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, h):
+        return h @ self.weight.t()
+
+
+def test_a_weight_tied_between_a_rule_layer_and_a_custom_module_matches_the_oracle():
+    """The custom module's own use reaches the Parameter only through its per-example
+    replay, so the Linear does not see it as a use it could not see."""
+    gen = torch.Generator().manual_seed(8)
+    torch.manual_seed(8)
+    model = Custom().double()
+    x = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,), generator=gen)
+    assert set(assert_matches_oracle(model, x, y, "mean")) == {"inp.weight", "inp.bias",
+                                                               "g1.gate"}
+
+
+@pytest.mark.parametrize("use, mode", [("module", "auto"), ("penalty", "auto"),
+                                       ("penalty", "vmap")])  # vmap: one unit, the model
+def test_a_fallback_parameter_used_outside_its_module_is_an_error(use, mode):
+    """A custom module's parameter used elsewhere too (in another module's forward, or in a
+    penalty added to the loss): that use's gradient is not per example, and was dropped."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.g, self.out = Gated(4), nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = self.g(x)
+            return self.out(h * self.g.gate if use == "module" else h)
+
+    model = Net()
+    engine = PerExampleEngine(model, mode=mode)
+    loss = F.cross_entropy(model(torch.randn(5, 4)), torch.randint(0, 3, (5,)))
+    if use == "penalty":
+        loss = loss + model.g.gate.pow(2).sum()
+    loss.backward()
+    with pytest.raises(LeakedGradientError, match="g.gate") as error:
+        engine.sq_norms(list(engine.params))
+    assert ("mode='vmap'" in str(error.value)) == (mode == "auto")
+
