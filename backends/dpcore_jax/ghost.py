@@ -55,6 +55,8 @@ import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jax.lax import GatherScatterMode
 
+from dpcore.rounding import ghost_margin
+
 from .backend import one_example_loss
 from .names import leaf_names
 
@@ -264,8 +266,19 @@ def _dot_sq_norms(a, g):
     """Squared norms of a_i^T g_i without forming it (P = 1, or the ghost norm)."""
     if a.shape[1] == 1:
         return jnp.sum(a[:, 0] ** 2, axis=1) * jnp.sum(g[:, 0] ** 2, axis=1)
-    return jnp.sum(jnp.einsum("bpc,bqc->bpq", a, a) * jnp.einsum("bpf,bqf->bpq", g, g),
-                   axis=(1, 2))
+    return _ghost_sum(jnp.einsum("bpc,bqc->bpq", a, a) * jnp.einsum("bpf,bqf->bpq", g, g),
+                      a.shape[2] + g.shape[2])
+
+
+def _ghost_sum(products, width: int):
+    """Ghost squared norms (B,) from the products (B, P, P) of the Gram matrices (of total
+    width ``width``), plus the bound on their rounding of :mod:`dpcore.rounding` (never below
+    the exact squared norms). Summed over q, then p: the barrier keeps XLA from merging the
+    two sums into one over P^2 terms, whose order (and so rounding) the bound cannot know."""
+    bound = jnp.square(jnp.sum(jnp.sqrt(jnp.diagonal(products, axis1=1, axis2=2)), axis=1))
+    margin = ghost_margin(width, products.shape[1], jnp.finfo(products.dtype).eps)
+    rows = jax.lax.optimization_barrier(jnp.sum(products, axis=2))
+    return jnp.sum(rows, axis=1) + margin * bound
 
 
 def _as_weight(site: Site, weight, t):
@@ -410,8 +423,8 @@ def site_grads(site: Site, weight, acts, g) -> SiteGrads:
         if ids.shape[1] > ROWS_GHOST_POSITIONS:
             return SiteGrads(_touched_rows_sq_norms(ids, rows), None)
         same = (ids[:, :, None] == ids[:, None, :]).astype(rows.dtype)
-        return SiteGrads(jnp.sum(same * jnp.einsum("bpd,bqd->bpq", rows, rows), axis=(1, 2)),
-                         None)
+        return SiteGrads(_ghost_sum(same * jnp.einsum("bpd,bqd->bpq", rows, rows),
+                                    rows.shape[2]), None)
     parts = (_conv_parts(site, weight, acts, g) if kind == "conv"
              else [_vjp_per_example(site, weight, acts, g)])
     return SiteGrads(sum(jnp.sum(p ** 2, axis=tuple(range(1, p.ndim))) for p in parts), parts)

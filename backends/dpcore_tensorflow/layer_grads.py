@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import string
 
+import numpy as np
 import tensorflow as tf
+
+from dpcore.rounding import ghost_margin
 
 
 MODES = ("auto", "ghost", "materialise")
@@ -75,6 +78,23 @@ def in_xla() -> bool:
     except ImportError:  # pragma: no cover
         return False
     return GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def ghost_sum(products: tf.Tensor, width: int) -> tf.Tensor:
+    """Ghost squared norms (B,) from the products (B, T, T) of the Gram matrices (of total
+    width ``width``), plus the bound on their rounding of :mod:`dpcore.rounding` (never below
+    the exact squared norms). Summed over s, then t; under XLA a barrier keeps the two sums
+    from being merged into one over T^2 terms, whose order the bound cannot know."""
+    positions = products.shape[1]
+    if positions is None:
+        positions = tf.cast(tf.shape(products)[1], products.dtype)
+    bound = tf.square(tf.reduce_sum(tf.sqrt(tf.linalg.diag_part(products)), axis=1))
+    margin = ghost_margin(width, positions, np.finfo(products.dtype.as_numpy_dtype).eps)
+    rows = tf.reduce_sum(products, axis=2)
+    if in_xla():
+        from tensorflow.compiler.tf2xla.python.xla import optimization_barrier
+        (rows,) = optimization_barrier(rows)
+    return tf.reduce_sum(rows, axis=1) + margin * bound
 
 
 def row_sq_norms(per_example: tf.Tensor) -> tf.Tensor:
@@ -140,7 +160,7 @@ class DenseKernel:
             return row_sq_norms(self.a) * g_sq
         aa = tf.matmul(self.a, self.a, transpose_b=True)
         gg = tf.matmul(self.g, self.g, transpose_b=True)
-        return tf.reduce_sum(aa * gg, axis=[1, 2])
+        return ghost_sum(aa * gg, self.a.shape[2] + self.g.shape[2])
 
     def weighted_sum(self, weights: tf.Tensor) -> tf.Tensor:
         if self._rows is not None:
@@ -232,7 +252,7 @@ class EmbeddingTable:
             return row_sq_norms(self.per_example())
         same = tf.equal(self.ids[:, :, None], self.ids[:, None, :])
         gg = tf.matmul(self.g, self.g, transpose_b=True)
-        return tf.reduce_sum(tf.where(same, gg, tf.zeros_like(gg)), axis=[1, 2])
+        return ghost_sum(tf.where(same, gg, tf.zeros_like(gg)), self.g.shape[2])
 
     def weighted_sum(self, weights: tf.Tensor) -> tf.Tensor:
         width = self.g.shape[2]

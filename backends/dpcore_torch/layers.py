@@ -6,7 +6,8 @@ returns the input's gradient only, so autograd never forms the (non-private) sum
 gradient. From (x, g) each rule gives, for example i:
 
 * the per-example gradient (materialised, ``grad``);
-* its squared norm (``sq_norm``), by the ghost-norm identity when that is cheaper;
+* its squared norm (``sq_norm``), by the ghost-norm identity when that is cheaper (plus the
+  bound on its rounding of :mod:`dpcore.rounding`, in float32 at least);
 * the clipped sum ``sum_i c_i grad_i``, added in place into a given tensor (the step's noise:
   ``add_weighted_sum``), from x and c_i g_i directly ("book-keeping", Bu et al. 2023): one
   product the size of an ordinary weight gradient.
@@ -33,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.grad import conv1d_input, conv2d_input
+
+from dpcore.rounding import ghost_margin
 
 
 def keep_rows(t, keep):
@@ -242,6 +245,22 @@ def _as_stored(t):
     return order, stored.reshape(math.prod(stored.shape[:k]), t.shape[0], -1)
 
 
+def _wide(t):
+    """``t`` in float32 at least: a 16-bit model's ghost norms would round too coarsely for
+    their bound (its margin grows with the machine epsilon) to stay small."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def ghost_sum(products, width: int):
+    """Ghost squared norms (B,) from the products (B, T, T) of the Gram matrices of the inputs
+    and of the backprops (total width d_in + d_out), plus the bound on their rounding of
+    :mod:`dpcore.rounding`: never below the exact squared norms. Summed over s, then t."""
+    t = products.shape[1]
+    bound = products.diagonal(dim1=1, dim2=2).sqrt().sum(1).square_()
+    margin = ghost_margin(width, t, torch.finfo(products.dtype).eps)
+    return products.sum(2).sum(1).add_(bound, alpha=margin)
+
+
 PREFERENCES = ("memory", "time")
 
 
@@ -370,8 +389,9 @@ class LinearRule(Rule):
         x, g = self._xg(use)
         t, d_in, d_out = x.shape[1], x.shape[2], g.shape[2]
         if use_ghost(t, d_in + d_out, d_in * d_out, prefer):
-            gram_x = torch.bmm(x, x.transpose(1, 2))
-            return gram_x.mul_(torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+            x, g = _wide(x), _wide(g)
+            products = torch.bmm(x, x.transpose(1, 2)).mul_(torch.bmm(g, g.transpose(1, 2)))
+            return ghost_sum(products, d_in + d_out)
         return super().sq_norm(module, use, name, prefer)
 
     def add_weighted_sum(self, module, use, name, c, out) -> None:
@@ -576,10 +596,10 @@ class ConvRule(Rule):
             d = module.in_channels // module.groups * math.prod(module.kernel_size)
             o = module.out_channels // module.groups
             if use_ghost(length, d + o, d * o, prefer):
-                cols, g = self._unfolded(module, use)
+                cols, g = map(_wide, self._unfolded(module, use))
                 gram_x = torch.einsum("bgdl,bgdm->bglm", cols, cols)
-                gram_g = torch.einsum("bgol,bgom->bglm", g, g)
-                return gram_x.mul_(gram_g).sum((1, 2, 3))
+                products = gram_x.mul_(torch.einsum("bgol,bgom->bglm", g, g))
+                return ghost_sum(products.flatten(0, 1), d + o).view(-1, module.groups).sum(1)
         return super().sq_norm(module, use, name, prefer)
 
     def add_weighted_sum(self, module, use, name, c, out) -> None:

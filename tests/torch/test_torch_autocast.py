@@ -60,10 +60,12 @@ def test_per_example_gradients_and_norms_are_float32_and_match_autocast_one_at_a
     norms = engine.sq_norms(names)
     got = engine.per_example_grads()
     assert norms.dtype == torch.float32
-    # the norms are those of the float32 gradients the sums are formed from, so a clipped
-    # contribution never exceeds its bound by a rounding of the low precision
+    # the norms are those of the float32 gradients the sums are formed from (ghost norms
+    # with their rounding bound: at least those), so a clipped contribution never exceeds
+    # its bound by a rounding of the low precision
     own = torch.stack([got[n].flatten(1).pow(2).sum(1) for n in names], 1)
-    torch.testing.assert_close(norms, own, rtol=1e-5, atol=1e-12)
+    torch.testing.assert_close(norms, own, rtol=1e-3, atol=1e-12)
+    assert (norms >= own * (1 - 1e-6)).all()
     for i in range(6):
         plain.zero_grad()
         loss_under_autocast(plain, k[i:i + 1], y[i:i + 1]).backward()
