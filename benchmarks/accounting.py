@@ -93,6 +93,7 @@ def grouped(steps, resolution, direction="down"):
 def run_rows(table, workload, rows, repeats):
     """Time ``rows`` [(name, fn, repeats or None)] interleaved: each round runs every row
     once, so changes in machine load hit all of them alike."""
+    rows = [row for row in rows if row[2] != 0]  # a limit of 0 rounds: skipped (--quick)
     results = {name: ([], [], []) for name, _, _ in rows}
     failed = {}
     for round_ in range(repeats):

@@ -10,7 +10,7 @@ configurations take turns in blocks, so load drift hits all alike: each round ru
 untimed step of each configuration (its caches move over from the previous one) and then
 ``--steps`` timed consecutive steps, the steady state of a training loop (until the tenth
 session they took turns step by step, which slows every step by the other configurations'
-cache traffic; docs/benchmarks.md). The figure is the median of rounds x steps timed steps.
+cache traffic; docs/benchmarks-history.md). The figure is the median of rounds x steps timed steps.
 The ratio divides the best DP configuration by the best non-private one. Run on an otherwise
 quiet machine; the script prints ``os.getloadavg()``.
 """

@@ -17,7 +17,7 @@ steps over about ``--seconds`` of rounds (60 by default). Consecutive steps meas
 state of a training loop, which runs one kind of step: with one step of each mode per round,
 every step started from caches the other modes had filled, which slowed the non-private step
 more than dpcore's (transformer, all six modes: non-private 28.4 ms and 1.47x, in blocks
-24.5 ms and 1.54x; docs/benchmarks.md, tenth session). The default block is the number of
+24.5 ms and 1.54x; docs/benchmarks-history.md, tenth session). The default block is the number of
 non-private steps in 0.1 s, at least 5 and at most 100.
 
 Memory: each (workload, mode) runs in a fresh subprocess that builds the model, optimizer and

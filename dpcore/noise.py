@@ -6,7 +6,7 @@ aggregator for the step's noise (:meth:`dpcore.PrivateAggregator.noise_draws`), 
 ``sum_i c_i v_ij`` into it in place (``out.addmm_(g.T, c x)``), and hands the mapping back
 (:meth:`~dpcore.PrivateAggregator.release_noisy_sums`), which divides by q n and releases.
 Against "sums, then noise" this saves the sum arrays, their concatenation and the pass adding
-them (measured in docs/benchmarks.md, seventh session).
+them (measured in docs/benchmarks-history.md, seventh session).
 
 Leaves are drawn on first access, in the backend's order, so memory follows the order in which
 the backend forms sums (a large leaf's buffer appears when its sum would have). Leaves of fewer

@@ -305,7 +305,7 @@ class ConvTap(_Tap):
         """(k_h k_w C_in, B, C_out): the call's per-example kernel gradients by one filter-gradient
         op, the batch folded into channel groups: input (1, H, W, B C_in), output gradient
         (1, H', W', B C_out), group i = example i (for the MNIST CNN 1.2-1.9x faster than
-        im2col and a batched matmul, docs/benchmarks.md)."""
+        im2col and a batched matmul, docs/benchmarks-history.md)."""
         x, g = self._channels_last(layer, x), self._channels_last(layer, g)
         sizes, strides, rates = layer.kernel_size, layer.strides, layer.dilation_rate
         if layer.rank == 1:

@@ -484,7 +484,7 @@ class ConvRule(Rule):
         size) was seen; each form is timed on its second run, after its set-up. Neither form
         wins everywhere (oneDNN's grouped weight gradient is fast for 3x3 kernels with 8-64
         channels on 16x16 and larger images, shifted rows for 5x5 kernels, few input channels
-        or small images: docs/benchmarks.md, eleventh session). Other devices take
+        or small images: docs/benchmarks-history.md, eleventh session). Other devices take
         ``"convolution"`` under ``"auto"``."""
         if CONV_FORM not in CONV_FORMS:
             raise ValueError(f"dpcore_torch.layers.CONV_FORM must be one of {CONV_FORMS}, "
@@ -540,7 +540,7 @@ class ConvRule(Rule):
         is stored kernel row first (a permuted tensor, which the norms and sums read in place).
         MNIST CNN, B = 256, on 2 Intel cores: conv1 (1 -> 10 channels, 5x5 on 28x28) 0.76 ms
         against 2.2 for the role-swapped convolution, conv2 (10 -> 20) 1.56 ms against 2.9
-        for the grouped weight gradient (docs/benchmarks.md, eleventh session)."""
+        for the grouped weight gradient (docs/benchmarks-history.md, eleventh session)."""
         x, g, w = use.x, use.g, module.weight
         if any(use.aux):  # the convolution's symmetric zero padding, made explicit
             x = F.pad(x, [p for p in reversed(use.aux) for _ in range(2)])
@@ -579,7 +579,7 @@ class ConvRule(Rule):
         module's stride the dilation and its dilation the stride, so output position k is
         sum_l g_i[:, l] x_i[l s + k d - p] = grad_i[:, 0, k] (cropped to the kernel). On an
         Intel CPU with oneDNN this took 2.2 ms against 3.8 for the grouped weight gradient
-        (MNIST conv1, B = 256; docs/benchmarks.md, ninth session); with more input channels the
+        (MNIST conv1, B = 256; docs/benchmarks-history.md, ninth session); with more input channels the
         grouped form was faster."""
         x, g, w = use.x, use.g, module.weight
         b, o = x.shape[0], w.shape[0]
