@@ -266,8 +266,15 @@ def _dot_sq_norms(a, g):
     """Squared norms of a_i^T g_i without forming it (P = 1, or the ghost norm)."""
     if a.shape[1] == 1:
         return jnp.sum(a[:, 0] ** 2, axis=1) * jnp.sum(g[:, 0] ** 2, axis=1)
+    a, g = _wide(a), _wide(g)
     return _ghost_sum(jnp.einsum("bpc,bqc->bpq", a, a) * jnp.einsum("bpf,bqf->bpq", g, g),
                       a.shape[2] + g.shape[2])
+
+
+def _wide(x):
+    """``x`` in float32 at least: 16-bit ghost norms would round too coarsely for their
+    bound (its margin grows with the machine epsilon) to stay small."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 def _ghost_sum(products, width: int):
@@ -422,6 +429,7 @@ def site_grads(site: Site, weight, acts, g) -> SiteGrads:
         rows = g.reshape(batch, ids.shape[1], math.prod(g.shape[1:]) // ids.shape[1])
         if ids.shape[1] > ROWS_GHOST_POSITIONS:
             return SiteGrads(_touched_rows_sq_norms(ids, rows), None)
+        rows = _wide(rows)
         same = (ids[:, :, None] == ids[:, None, :]).astype(rows.dtype)
         return SiteGrads(_ghost_sum(same * jnp.einsum("bpd,bqd->bpq", rows, rows),
                                     rows.shape[2]), None)

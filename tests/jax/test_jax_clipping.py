@@ -366,3 +366,23 @@ def test_float32_ghost_norms_never_fall_below_the_exact_norms(site):
         assert (got >= exact * (1 - 1e-6)).all(), (spread, (got / exact).min())
         if spread == 1.0:
             assert (got <= exact * 1.01).all()
+
+
+def test_bfloat16_ghost_norms_are_formed_in_float32():
+    """A bfloat16 model's Gram matrices are formed in float32: their rounding bound, which
+    grows with the machine epsilon, would otherwise inflate every norm some 250-fold."""
+    rng = np.random.default_rng(13)
+    b, p, c, f = 8, 64, 128, 256
+    params = {"w": jnp.zeros((c, f), jnp.bfloat16)}
+
+    def loss(q, x):
+        return jnp.sum((x[..., :c] @ q["w"]) * x[..., c:], axis=(1, 2))
+
+    x = jnp.asarray(rng.normal(size=(b, p, c + f)), jnp.bfloat16)
+    assert ghost.rule(ghost.plan(loss, params, x[0]).sites[0]) == "dense"
+    mechanism = dpcore.flat(["w"], 1e-6, 0.0)
+    _, _, factors = jax.jit(clipped_sums(loss, mechanism, with_factors=True))(params, x)
+    got = (1e-6 / np.asarray(factors, np.float64)[:, 0]) ** 2
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    exact = (np.einsum("bpc,bpf->bcf", x64[..., :c], x64[..., c:]) ** 2).sum((1, 2))
+    assert (got >= exact).all() and (got <= exact * 1.01).all()

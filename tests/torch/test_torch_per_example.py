@@ -724,3 +724,17 @@ def test_float32_ghost_norms_never_fall_below_the_exact_norms(layer):
         assert (got >= exact).all(), (spread, (got / exact).min().item())
         if spread == 1.0:
             assert (got <= exact * 1.01).all()
+
+
+def test_bfloat16_ghost_norms_are_formed_in_float32():
+    """A bfloat16 model's Gram matrices are formed in float32: their rounding bound, which
+    grows with the machine epsilon, would otherwise inflate every norm many times over."""
+    gen = torch.Generator().manual_seed(9)
+    module = nn.Linear(128, 256).to(torch.bfloat16)
+    engine = PerExampleEngine(module, loss_reduction="sum")
+    x = torch.randn(8, 64, 128, generator=gen).to(torch.bfloat16)
+    g = torch.randn(8, 64, 256, generator=gen).to(torch.bfloat16)
+    (module(x) * g).sum().backward()
+    got = engine.sq_norms(["weight"])[:, 0].double()
+    exact = torch.einsum("bti,bto->bio", x.double(), g.double()).pow(2).sum((1, 2))
+    assert (got >= exact).all() and (got <= exact * 1.01).all()
