@@ -22,16 +22,12 @@ import torch
 from torch import nn
 
 from .fallback import FallbackUnit, replaying
-from .layers import (PREFERENCES, RULES, AccumulationError, Rule, add_contraction,
-                     keep_rows, row_sq_norms)
+from .layers import (PREFERENCES, RULES, AccumulationError, NotPerExampleError, Rule,
+                     add_contraction, keep_rows, row_sq_norms)
 from .recurrent import RECURRENT_RULES
 
 MODES = ("auto", "vmap")
 REDUCTIONS = ("mean", "sum")
-
-
-class NotPerExampleError(ValueError):
-    """The model contains a layer whose output for one example depends on other examples."""
 
 
 class LeakedGradientError(RuntimeError):

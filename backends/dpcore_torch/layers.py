@@ -57,6 +57,10 @@ class AccumulationError(RuntimeError):
     """Gradients of several backward passes in one step (gradient accumulation)."""
 
 
+class NotPerExampleError(ValueError):
+    """The model contains a layer whose output for one example depends on other examples."""
+
+
 #: ``tick()``: a number larger than every earlier one, for when a call was made or first
 #: reached by a backward pass (the engine refuses a step with a back-propagated call made
 #: after a backward pass had reached another: two batches clipped as one).
@@ -614,6 +618,12 @@ class ConvRule(Rule):
             [0] * (use.x.dim() - 2), module.groups, (False, True, False))[1])
 
 
+#: A 1-D index tensor 0, 1, ..., n - 1 with n at least this is taken for positions shared by
+#: every example (n ids drawn uniformly from a vocabulary of at least n would be these with
+#: probability at most n^-n, 6e-8 for n = 8).
+SHARED_POSITIONS = 8
+
+
 class EmbeddingRule(Rule):
     def check(self, module, name):
         if module.scale_grad_by_freq:
@@ -623,6 +633,15 @@ class EmbeddingRule(Rule):
 
     def forward(self, module, use_list, args, kwargs):
         (indices,) = args
+        if indices.dim() == 1 and indices.numel() >= SHARED_POSITIONS and torch.equal(
+                indices, torch.arange(indices.numel(), device=indices.device)):
+            t = indices.numel()
+            raise NotPerExampleError(
+                f"{type(module).__name__} was called on torch.arange({t}), positions shared by "
+                f"every example: added to a batch by broadcasting, its gradient is summed over "
+                f"the examples, so it is not per example (and a batch of {t} examples would be "
+                f"taken for {t} records). Call it on one row of positions per example, "
+                f"torch.arange(T).expand(B, T)")
         use = _record(use_list, indices, module.weight.dtype)
         return _Embedding.apply(use, indices, module.weight, module.padding_idx,
                                 module.max_norm, module.norm_type, module.sparse)

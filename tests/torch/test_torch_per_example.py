@@ -738,3 +738,44 @@ def test_bfloat16_ghost_norms_are_formed_in_float32():
     got = engine.sq_norms(["weight"])[:, 0].double()
     exact = torch.einsum("bti,bto->bio", x.double(), g.double()).pow(2).sum((1, 2))
     assert (got >= exact).all() and (got <= exact * 1.01).all()
+
+
+class SharedPositions(nn.Module):
+    """Learned positions looked up on torch.arange(T) and added by broadcasting (the common
+    way, e.g. GPT-2's): their gradient is summed over the batch."""
+
+    def __init__(self, expand):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(20, 4), nn.Embedding(8, 4)
+        self.out, self.expand = nn.Linear(4, 3), expand
+
+    def forward(self, k):
+        positions = torch.arange(k.shape[1])
+        if self.expand:
+            positions = positions.expand_as(k)
+        return self.out(self.tokens(k) + self.positions(positions)).mean(1)
+
+
+@pytest.mark.parametrize("batch", [8, 5])
+def test_positions_shared_by_every_example_are_refused(batch):
+    """Whatever the batch size: with B = T = 8 the engine would otherwise take the 8
+    positions for 8 records and clip them as such (silently; B != T raised on the sizes).
+    Positions expanded to (B, T) match the oracle."""
+    gen = torch.Generator().manual_seed(6)
+    k = torch.randint(0, 20, (batch, 8), generator=gen)
+    y = torch.randint(0, 3, (batch,), generator=gen)
+    model = SharedPositions(expand=False)
+    PerExampleEngine(model)
+    with pytest.raises(NotPerExampleError, match=r"torch.arange\(8\).*expand\(B, T\)"):
+        model(k)
+    torch.manual_seed(6)
+    assert_matches_oracle(SharedPositions(expand=True).double(), k, y, "mean")
+
+
+def test_one_index_per_example_is_not_taken_for_positions():
+    """A 1-D index tensor is one lookup per example (a user id, say), also when it reads
+    0, 1, ... for fewer than SHARED_POSITIONS examples."""
+    for ids in (torch.tensor([4, 0, 7, 1, 1, 8, 2, 3, 5]), torch.arange(5)):
+        torch.manual_seed(2)
+        model = nn.Sequential(nn.Embedding(9, 3), nn.Linear(3, 3)).double()
+        assert_matches_oracle(model, ids, ids % 3, "sum")
