@@ -4,12 +4,8 @@ NumPy data built so that the ghost identity's terms cancel."""
 import numpy as np
 import pytest
 
+import cancelling
 from dpcore.rounding import ghost_margin
-
-
-def ghost_terms(x, g):
-    """The products of the Gram matrices (B, T, T), formed in the data's precision."""
-    return np.einsum("btc,bsc->bts", x, x) * np.einsum("btf,bsf->bts", g, g)
 
 
 @pytest.mark.parametrize("t, c, f", [(8, 16, 16), (64, 128, 256), (200, 32, 512)])
@@ -17,17 +13,12 @@ def test_the_margin_bounds_the_rounding_of_cancelling_ghost_sums(t, c, f):
     rng = np.random.default_rng(t)
     b, eps = 24, np.finfo(np.float32).eps
     worst = 0.0
-    for spread in (1e-4, 1e-3, 1e-2, 1.0):
-        x = rng.normal(size=(b, 1, c)) * (1 - spread) + spread * rng.normal(size=(b, t, c))
-        g = rng.normal(size=(b, t, f))
-        g -= (1 - spread) * g.mean(1, keepdims=True)
-        g += 1e-2 * rng.random((b, 1, 1)) * rng.normal(size=(b, 1, f))
-        x, g = x.astype(np.float32), g.astype(np.float32)
-        products = ghost_terms(x, g)
+    for spread in (1e-4, *cancelling.SPREADS):
+        x, g = cancelling.inputs(rng, b, t, c, spread), cancelling.backprops(rng, b, t, f, spread)
+        products = np.einsum("btc,bsc->bts", x, x) * np.einsum("btf,bsf->bts", g, g)
         s = products.sum(2, dtype=np.float32).sum(1, dtype=np.float32).astype(np.float64)
         u_bound = np.sqrt(np.diagonal(products, axis1=1, axis2=2)).sum(1) ** 2
-        exact = (np.einsum("btc,btf->bcf", x.astype(np.float64), g.astype(np.float64)) ** 2
-                 ).sum((1, 2))
+        exact = cancelling.exact_sq_norms(x, g)
         margin = ghost_margin(c + f, t, eps)
         assert (s + margin * u_bound >= exact).all()
         worst = max(worst, ((exact - s) / (margin * u_bound)).max())

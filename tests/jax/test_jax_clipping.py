@@ -13,6 +13,7 @@ from dpcore_jax.backend import one_example_loss
 from dpcore_jax.clipping import clipped_sums
 from dpcore_jax.names import leaf_names, leaf_sizes, named_leaves
 
+import cancelling
 import jax_models as models
 
 # float32 against float64 on values of order 1 (see test_jax_backend.F32_TOL); sums over a
@@ -342,31 +343,15 @@ def test_float32_ghost_norms_never_fall_below_the_exact_norms(site):
             return jnp.sum(q["w"][x[..., 0].astype(jnp.int32)] * x[..., 1:], axis=(1, 2))
     mechanism = dpcore.flat(["w"], 1e-6, 0.0)
     run = jax.jit(clipped_sums(loss, mechanism, with_factors=True))
-    for spread in (1e-3, 1e-2, 1.0):
-        g = rng.normal(size=(b, p, f))
-        g -= (1 - spread) * g.mean(1, keepdims=True)
-        g += 1e-2 * rng.random((b, 1, 1)) * rng.normal(size=(b, 1, f))
-        if site == "dense":
-            a = rng.normal(size=(b, 1, c)) * (1 - spread) + spread * rng.normal(size=(b, p, c))
-        else:
-            a = rng.integers(0, 1 if spread < 1 else 9, size=(b, p, 1)).astype(float)
-        x = np.concatenate([a, g], axis=2).astype(np.float32)
-        assert ghost.rule(ghost.plan(loss, params, x[0]).sites[0]) == ("dense" if site ==
-                                                                       "dense" else "rows")
+    for spread in cancelling.SPREADS:
+        a, g, exact = cancelling.case(rng, site, b, p, c, f, spread)
+        x = np.concatenate([a.reshape(b, p, -1).astype(np.float32), g], axis=2)
+        assert ghost.rule(ghost.plan(loss, params, x[0]).sites[0]) == site
         _, _, factors = run(params, jnp.asarray(x))
         got = (1e-6 / np.asarray(factors, np.float64)[:, 0]) ** 2
-        x64 = x.astype(np.float64)
-        if site == "dense":
-            exact = np.einsum("bpc,bpf->bcf", x64[..., :c], x64[..., c:])
-        else:  # the rows of W an example touches, each the sum of its positions' backprops
-            exact = np.zeros((b, 9, f))
-            for i in range(b):
-                np.add.at(exact[i], x[i, :, 0].astype(int), x64[i, :, 1:])
-        exact = (exact.reshape(b, -1) ** 2).sum(1)
         assert (got >= exact * (1 - 1e-6)).all(), (spread, (got / exact).min())
         if spread == 1.0:
             assert (got <= exact * 1.01).all()
-
 
 def test_bfloat16_ghost_norms_are_formed_in_float32():
     """A bfloat16 model's Gram matrices are formed in float32: their rounding bound, which
