@@ -119,13 +119,16 @@ def _float_tensors(out):
 
 
 class _Stop(torch.autograd.Function):
-    """A parameter as its fallback module's forward sees it: the gradient stops here, since
-    the replay forms it per example. A gradient that reaches the parameter itself comes from a
-    use outside the module, which the engine refuses (:class:`LeakedGradientError`)."""
+    """A parameter as its fallback module's call sees it: the gradient stops here, since the
+    replay forms it per example. A gradient that reaches the parameter itself comes from a
+    use outside the module, which the engine refuses (:class:`LeakedGradientError`). The
+    output shares the parameter's storage (not as a view), so that an in-place change of it
+    inside the forward (a ``clamp_`` under ``no_grad``) changes the parameter, as without
+    dpcore."""
 
     @staticmethod
     def forward(ctx, p):
-        return p.view_as(p)
+        return p.detach()
 
     @staticmethod
     def backward(ctx, g):
@@ -134,46 +137,59 @@ class _Stop(torch.autograd.Function):
 
 class FallbackUnit:
     """A module whose parameters ``names`` (keys relative to the module) get per-example
-    gradients through ``torch.func``. During its forward pass (from before its other forward
-    pre-hooks, such as weight_norm's, to its forward hooks) the module holds its trainable
-    parameters through :class:`_Stop`."""
+    gradients through ``torch.func``.
+
+    For its whole call (forward pre-hooks such as weight_norm's, forward, forward hooks:
+    everything the replay runs again), the module holds its trainable parameters through
+    :class:`_Stop`: its ``_call_impl``, which ``nn.Module.__call__`` looks up on the
+    instance, is wrapped, and the parameters are put back in a ``finally`` (also on
+    ``KeyboardInterrupt``). A call made inside a call of the same module (a module that calls
+    itself) is replayed with the outer one and not recorded on its own."""
 
     def __init__(self, module: nn.Module, names: dict[str, str], recurse: bool):
         self.module, self.names = module, names  # key in module -> leaf name
         self.calls: list[Call] = []
-        self._holders = list(module.modules()) if recurse else [module]
-        self._ours = {id(module.get_parameter(k)) for k in names}
-        self._swapped: list[list] = []  # a stack: a module may call itself
-        self._handles = [
-            module.register_forward_pre_hook(self._stop, prepend=True),
-            module.register_forward_hook(self._restore, prepend=True, always_call=True),
-            module.register_forward_hook(self._on_forward, with_kwargs=True)]
+        ours = {id(module.get_parameter(k)): k for k in names}
+        # every slot holding one of the parameters, by its key (a parameter tied within the
+        # unit has several), and the key in ``names`` of its parameter
+        self._slots = {f"{prefix}.{attr}" if prefix else attr: (holder, attr, ours[id(p)])
+                       for prefix, holder in (module.named_modules() if recurse
+                                              else [("", module)])
+                       for attr, p in holder._parameters.items()
+                       if p is not None and id(p) in ours}
+        self._depth = 0
+        module._call_impl = self._call
+        self._handle = module.register_forward_hook(self._on_forward, with_kwargs=True)
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+        self._handle.remove()
+        self.module.__dict__.pop("_call_impl", None)
 
     def _recording(self) -> bool:
         return not replaying() and torch.is_grad_enabled()
 
-    def _stop(self, module, args):
+    def _call(self, *args, **kwargs):
+        plain = type(self.module)._call_impl
+        if not self._recording():
+            return plain(self.module, *args, **kwargs)
         stops, swapped = {}, []
-        for holder in self._holders if self._recording() else ():
-            for attr, p in holder._parameters.items():
-                if p is not None and id(p) in self._ours:
-                    if id(p) not in stops:
-                        stops[id(p)] = _Stop.apply(p)
-                    swapped.append((holder, attr, p))
-        for holder, attr, p in swapped:
-            holder._parameters[attr] = stops[id(p)]
-        self._swapped.append(swapped)
-
-    def _restore(self, module, args, out):
-        for holder, attr, p in self._swapped.pop():
-            holder._parameters[attr] = p
+        for holder, attr, key in self._slots.values():
+            p = holder._parameters[attr]
+            if isinstance(p, nn.Parameter):  # not already held (a call inside a call)
+                if key not in stops:
+                    stops[key] = _Stop.apply(p)
+                holder._parameters[attr] = stops[key]
+                swapped.append((holder, attr, p))
+        self._depth += 1
+        try:
+            return plain(self.module, *args, **kwargs)
+        finally:
+            self._depth -= 1
+            for holder, attr, p in swapped:
+                holder._parameters[attr] = p
 
     def _on_forward(self, module, args, kwargs, out):
-        if not self._recording():
+        if not self._recording() or self._depth > 1:
             return
         if not any(_batched(a) for a in args):
             raise TypeError(f"{type(module).__name__} was called without a positional tensor "
@@ -211,6 +227,7 @@ class FallbackUnit:
         if call.cache is not None:
             return call.cache
         params = {k: self.module.get_parameter(k).detach() for k in self.names}
+        slots = {slot: params[key] for slot, (_, _, key) in self._slots.items()}
         b = call.batch_size
         if b == 0 or all(g is None for g in call.g):
             call.cache = {k: p.new_zeros((b, *p.shape)) for k, p in params.items()}
@@ -231,7 +248,8 @@ class FallbackUnit:
                 full[i] = t.unsqueeze(0)
             kwargs = {**call.kwargs, **{k: t.unsqueeze(0) for k, t in zip(keywords, split)}}
             with _replay():
-                out = _float_tensors(functional_call(module, p, tuple(full), kwargs))
+                out = _float_tensors(functional_call(module, p, tuple(full), kwargs,
+                                                     tie_weights=False))
             for o, g in zip(out, backprops):
                 if g is not None and o.shape != (1, *g.shape):
                     raise ValueError(
@@ -253,8 +271,8 @@ class FallbackUnit:
         with torch.no_grad(), warnings.catch_warnings():  # the result is data, no graph
             warnings.filterwarnings("ignore", "There is a performance drop")  # expected here
             try:
-                call.cache = vmap(grad(inner), in_dims=(None, 0, 0, dims))(params, tensors,
-                                                                           split, backprops)
+                by_slot = vmap(grad(inner), in_dims=(None, 0, 0, dims))(slots, tensors,
+                                                                        split, backprops)
             except RuntimeError as error:
                 raise RuntimeError(
                     f"torch.func could not form per-example gradients of {name} ({error}). "
@@ -262,4 +280,7 @@ class FallbackUnit:
                     f"torch.func.vmap, which that layer must support: random operations "
                     f"inside it (dropout: set its probability to 0) and fused kernels (of "
                     f"RNN, GRU and LSTM, which have a rule in mode='auto') do not") from error
+        call.cache = dict.fromkeys(self.names, 0)
+        for slot, (_, _, key) in self._slots.items():  # a parameter's slots add up
+            call.cache[key] = call.cache[key] + by_slot[slot]
         return call.cache

@@ -769,3 +769,91 @@ def test_one_index_per_example_is_not_taken_for_positions():
         torch.manual_seed(2)
         model = nn.Sequential(nn.Embedding(9, 3), nn.Linear(3, 3)).double()
         assert_matches_oracle(model, ids, ids % 3, "sum")
+
+
+class Recursive(nn.Module):
+    """A custom module that calls itself: the inner call is part of the outer one's replay."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, 5))
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x, depth=2):
+        h = torch.tanh(x * self.gate)
+        return self(h, depth - 1) if depth > 1 else self.out(h)
+
+
+class OwnWeightInChild(nn.Module):
+    """A custom module's own Parameter, also the weight of its child Linear (a rule layer) and
+    of a custom child: each unit forms its own use only."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(5, 5) * 0.5)
+        self.lin = nn.Linear(5, 5, bias=False)
+        self.lin.weight = self.w
+        self.child = Head(self.w)
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(x @ self.w.t()) + self.lin(x) + self.child(x))
+
+
+class Clamped(nn.Module):
+    """A constraint applied in place inside the forward (under no_grad), and a forward hook of
+    the user's that uses the parameter too (the replay runs it again)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, 5))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.gate.clamp_(max=1.2)
+        return torch.tanh(x * self.gate)
+
+
+@pytest.mark.parametrize("mode", ["auto", "vmap"])
+@pytest.mark.parametrize("name", ["recursive", "own-weight-in-child", "clamped-with-hook"])
+def test_fallback_modules_nested_tied_or_hooked_match_the_oracle(name, mode):
+    gen = torch.Generator().manual_seed(10)
+    torch.manual_seed(10)
+    if name == "recursive":
+        model = Recursive()
+    elif name == "own-weight-in-child":
+        model = OwnWeightInChild()
+    else:
+        model = nn.Sequential(Clamped(), nn.Linear(5, 3))
+        model[0].register_forward_hook(lambda module, args, out: out * module.gate)
+    model = model.double()
+    x = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,), generator=gen)
+    expected = oracle(copy.deepcopy(model), x, y)
+    engine = PerExampleEngine(model, loss_reduction="sum", mode=mode)
+    F.cross_entropy(model(x), y, reduction="sum").backward()
+    got = engine.per_example_grads()
+    for n in expected:
+        assert close(got[n], expected[n]), n
+    if name == "clamped-with-hook":
+        assert model[0].gate.max().item() == 1.2  # the constraint reached the parameter
+
+
+def test_an_interrupted_fallback_forward_leaves_the_parameters_in_place():
+    """The parameters are put back in a finally: a KeyboardInterrupt (not an Exception, so
+    no forward hook runs) must not leave the model holding non-leaf tensors."""
+    class Interrupted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            raise KeyboardInterrupt
+
+    model = nn.Sequential(Interrupted())
+    engine = PerExampleEngine(model)
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randn(2, 3))
+    engine.detach()
+    assert type(model[0].gate) is nn.Parameter and model[0].gate.is_leaf
+    assert "_call_impl" not in vars(model[0])
