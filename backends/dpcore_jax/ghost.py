@@ -267,8 +267,14 @@ def _dot_sq_norms(a, g):
     if a.shape[1] == 1:
         return jnp.sum(a[:, 0] ** 2, axis=1) * jnp.sum(g[:, 0] ** 2, axis=1)
     a, g = _wide(a), _wide(g)
-    return _ghost_sum(jnp.einsum("bpc,bqc->bpq", a, a) * jnp.einsum("bpf,bqf->bpq", g, g),
-                      a.shape[2] + g.shape[2])
+    return _ghost_sum(_gram(a) * _gram(g), a.shape[2] + g.shape[2])
+
+
+def _gram(x):
+    """x x^T per example (B, P, P), at full precision: the rounding bound of
+    :mod:`dpcore.rounding` is for products in x's dtype (accelerators' defaults round
+    float32 inputs to fewer bits)."""
+    return jnp.einsum("bpc,bqc->bpq", x, x, precision=jax.lax.Precision.HIGHEST)
 
 
 def _wide(x):
@@ -325,16 +331,21 @@ ROWS_GHOST_POSITIONS = 64
 def _touched_rows_sq_norms(ids, rows):
     """||dl_i/dE||^2 = sum_v ||sum_{p: ids_p = v} g_{i,p}||^2 from ids (B, P) and rows
     (B, P, d): each example's ids sorted, its rows summed per run of equal ids (one segment
-    sum over B P segments, static shapes), the sums squared."""
+    sum over B P segments, static shapes), the sums squared. The clipped sum adds the rows in
+    another order, so each run's squared sum gets the bound of :mod:`dpcore.rounding` on its
+    rounding, with U the square of the run's summed row norms."""
     batch, positions, width = rows.shape
     order = jnp.argsort(ids, axis=1)
     ids = jnp.take_along_axis(ids, order, axis=1)
     rows = jnp.take_along_axis(rows, order[..., None], axis=1)
     starts = ids != jnp.concatenate([ids[:, :1] - 1, ids[:, :-1]], axis=1)
-    runs = jnp.cumsum(starts, axis=1) - 1 + positions * jnp.arange(batch)[:, None]
-    sums = jax.ops.segment_sum(rows.reshape(-1, width), runs.reshape(-1),
-                               num_segments=batch * positions)
-    return jnp.sum(jnp.sum(sums ** 2, axis=1).reshape(batch, positions), axis=1)
+    runs = (jnp.cumsum(starts, axis=1) - 1 + positions * jnp.arange(batch)[:, None]).reshape(-1)
+    sums = jax.ops.segment_sum(rows.reshape(-1, width), runs, num_segments=batch * positions)
+    spans = jax.ops.segment_sum(jnp.sqrt(jnp.sum(rows ** 2, axis=2)).reshape(-1), runs,
+                                num_segments=batch * positions)
+    margin = ghost_margin(width, positions, jnp.finfo(rows.dtype).eps)
+    squares = jnp.sum(sums ** 2, axis=1) + margin * spans ** 2
+    return jnp.sum(squares.reshape(batch, positions), axis=1)
 
 
 def _is_kernel_conv(site: Site) -> bool:
@@ -427,12 +438,11 @@ def site_grads(site: Site, weight, acts, g) -> SiteGrads:
         (indices,) = acts
         ids = jnp.clip(indices[..., 0], 0, weight.shape[0] - 1).reshape(batch, -1)
         rows = g.reshape(batch, ids.shape[1], math.prod(g.shape[1:]) // ids.shape[1])
+        rows = _wide(rows)
         if ids.shape[1] > ROWS_GHOST_POSITIONS:
             return SiteGrads(_touched_rows_sq_norms(ids, rows), None)
-        rows = _wide(rows)
         same = (ids[:, :, None] == ids[:, None, :]).astype(rows.dtype)
-        return SiteGrads(_ghost_sum(same * jnp.einsum("bpd,bqd->bpq", rows, rows),
-                                    rows.shape[2]), None)
+        return SiteGrads(_ghost_sum(same * _gram(rows), rows.shape[2]), None)
     parts = (_conv_parts(site, weight, acts, g) if kind == "conv"
              else [_vjp_per_example(site, weight, acts, g)])
     return SiteGrads(sum(jnp.sum(p ** 2, axis=tuple(range(1, p.ndim))) for p in parts), parts)

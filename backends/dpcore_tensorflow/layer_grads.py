@@ -80,16 +80,27 @@ def in_xla() -> bool:
     return GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
+def wide(t: tf.Tensor) -> tf.Tensor:
+    """``t`` in float32 at least: 16-bit ghost norms would round too coarsely for their bound
+    (its margin grows with the machine epsilon) to stay small."""
+    return tf.cast(t, tf.float32) if t.dtype in (tf.float16, tf.bfloat16) else t
+
+
+def _margin(width: int, t: tf.Tensor):
+    """:func:`dpcore.rounding.ghost_margin` for ``t`` (B, T, ...) of float32 or float64."""
+    positions = t.shape[1]
+    if positions is None:
+        positions = tf.cast(tf.shape(t)[1], t.dtype)
+    return ghost_margin(width, positions, np.finfo(t.dtype.as_numpy_dtype).eps)
+
+
 def ghost_sum(products: tf.Tensor, width: int) -> tf.Tensor:
     """Ghost squared norms (B,) from the products (B, T, T) of the Gram matrices (of total
     width ``width``), plus the bound on their rounding of :mod:`dpcore.rounding` (never below
     the exact squared norms). Summed over s, then t; under XLA a barrier keeps the two sums
     from being merged into one over T^2 terms, whose order the bound cannot know."""
-    positions = products.shape[1]
-    if positions is None:
-        positions = tf.cast(tf.shape(products)[1], products.dtype)
     bound = tf.square(tf.reduce_sum(tf.sqrt(tf.linalg.diag_part(products)), axis=1))
-    margin = ghost_margin(width, positions, np.finfo(products.dtype.as_numpy_dtype).eps)
+    margin = _margin(width, products)
     rows = tf.reduce_sum(products, axis=2)
     if in_xla():
         from tensorflow.compiler.tf2xla.python.xla import optimization_barrier
@@ -158,9 +169,10 @@ class DenseKernel:
         if self.a.shape[1] == 1:
             g_sq = row_sq_norms(self.g) if self._g_sq is None else self._g_sq
             return row_sq_norms(self.a) * g_sq
-        aa = tf.matmul(self.a, self.a, transpose_b=True)
-        gg = tf.matmul(self.g, self.g, transpose_b=True)
-        return ghost_sum(aa * gg, self.a.shape[2] + self.g.shape[2])
+        a, g = wide(self.a), wide(self.g)
+        aa = tf.matmul(a, a, transpose_b=True)
+        gg = tf.matmul(g, g, transpose_b=True)
+        return ghost_sum(aa * gg, a.shape[2] + g.shape[2])
 
     def weighted_sum(self, weights: tf.Tensor) -> tf.Tensor:
         if self._rows is not None:
@@ -233,26 +245,39 @@ class EmbeddingTable:
         """||G_i||^2 = sum_v ||sum_{t: k_it = v} g_it||^2: each example's ids sorted, the
         backprop rows summed per run of equal ids (one segment sum over at most B T
         segments: static shapes, so it also compiles under XLA), the sums squared."""
-        batch, positions, width = tf.shape(self.g)[0], tf.shape(self.g)[1], self.g.shape[2]
+        batch, positions = tf.shape(self.g)[0], tf.shape(self.g)[1]
         order = tf.argsort(self.ids, axis=1, stable=True)
         ids = tf.gather(self.ids, order, batch_dims=1)
-        rows = tf.gather(self.g, order, batch_dims=1)
         starts = tf.not_equal(ids, tf.concat([ids[:, :1] - 1, ids[:, :-1]], 1))
         runs = (tf.cumsum(tf.cast(starts, tf.int32), axis=1) - 1
                 + positions * tf.range(batch)[:, None])
-        sums = tf.math.unsorted_segment_sum(tf.reshape(rows, [-1, width]),
-                                            tf.reshape(runs, [-1]), batch * positions)
-        return tf.reduce_sum(tf.reshape(tf.reduce_sum(tf.square(sums), 1),
-                                        [batch, positions]), 1)
+        return self._summed_rows_sq_norms(tf.gather(self.g, order, batch_dims=1), runs,
+                                          batch * positions)
+
+    def _summed_rows_sq_norms(self, g, segments, count) -> tf.Tensor:
+        """sum over an example's segments of ||sum of its rows of g||^2, the rows summed per
+        segment (ids (B, T) into ``count`` segments, example-major). The clipped sum adds the
+        rows in another order, so each segment's squared sum gets the bound of
+        :mod:`dpcore.rounding` on its rounding, with U the square of its rows' summed norms."""
+        g = wide(g)
+        segments = tf.reshape(segments, [-1])
+        sums = tf.math.unsorted_segment_sum(tf.reshape(g, [-1, g.shape[2]]), segments, count)
+        spans = tf.math.unsorted_segment_sum(
+            tf.reshape(tf.norm(g, axis=2), [-1]), segments, count)
+        squares = tf.reduce_sum(tf.square(sums), 1) + _margin(g.shape[2], g) * tf.square(spans)
+        return tf.reduce_sum(tf.reshape(squares, [tf.shape(g)[0], -1]), 1)
 
     def sq_norms(self) -> tf.Tensor:
         if self.mode == "auto":
             return self.touched_rows_sq_norms()
-        if self.mode == "materialise":
-            return row_sq_norms(self.per_example())
+        if self.mode == "materialise":  # the dense rows of per_example(), with the bound
+            rows = self.ids + self.vocabulary * tf.range(tf.shape(self.g)[0])[:, None]
+            return self._summed_rows_sq_norms(self.g, rows,
+                                              tf.shape(self.g)[0] * self.vocabulary)
+        g = wide(self.g)
         same = tf.equal(self.ids[:, :, None], self.ids[:, None, :])
-        gg = tf.matmul(self.g, self.g, transpose_b=True)
-        return ghost_sum(tf.where(same, gg, tf.zeros_like(gg)), self.g.shape[2])
+        gg = tf.matmul(g, g, transpose_b=True)
+        return ghost_sum(tf.where(same, gg, tf.zeros_like(gg)), g.shape[2])
 
     def weighted_sum(self, weights: tf.Tensor) -> tf.Tensor:
         width = self.g.shape[2]

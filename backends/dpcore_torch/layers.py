@@ -255,13 +255,25 @@ def _wide(t):
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+#: The machine epsilon of float32 matrix products under ``torch.set_float32_matmul_precision``:
+#: "high" allows TensorFloat-32 (10 bits), "medium" bfloat16 (7 bits) for their inputs.
+MATMUL_EPS = {"highest": 2.0 ** -23, "high": 2.0 ** -10, "medium": 2.0 ** -7}
+
+
+def _eps(dtype) -> float:
+    """The machine epsilon of Gram matrices formed in ``dtype``."""
+    if dtype == torch.float32:
+        return MATMUL_EPS[torch.get_float32_matmul_precision()]
+    return torch.finfo(dtype).eps
+
+
 def ghost_sum(products, width: int):
     """Ghost squared norms (B,) from the products (B, T, T) of the Gram matrices of the inputs
     and of the backprops (total width d_in + d_out), plus the bound on their rounding of
     :mod:`dpcore.rounding`: never below the exact squared norms. Summed over s, then t."""
     t = products.shape[1]
     bound = products.diagonal(dim1=1, dim2=2).sqrt().sum(1).square_()
-    margin = ghost_margin(width, t, torch.finfo(products.dtype).eps)
+    margin = ghost_margin(width, t, _eps(products.dtype))
     return products.sum(2).sum(1).add_(bound, alpha=margin)
 
 
@@ -682,8 +694,14 @@ class EmbeddingRule(Rule):
                                        return_inverse=True)
         sums = g.new_zeros(distinct.shape[0], g.shape[-1]).index_add_(
             0, which, g[examples, positions])
+        # the clipped sum adds these rows in another order: the bound of dpcore.rounding on a
+        # run's rounding, with (sum of its rows' norms)^2 for U
+        spans = g.new_zeros(distinct.shape[0]).index_add_(
+            0, which, row_sq[examples, positions].sqrt())
+        margin = ghost_margin(g.shape[-1], k.shape[1], torch.finfo(g.dtype).eps)
         once = row_sq.masked_fill_(repeated, 0).sum(1)
-        return once.index_add_(0, distinct // vocab, row_sq_norms(sums))
+        return once.index_add_(0, distinct // vocab,
+                               row_sq_norms(sums).add_(spans.square_(), alpha=margin))
 
     def add_weighted_sum(self, module, use, name, c, out) -> None:
         if name in use.cache:

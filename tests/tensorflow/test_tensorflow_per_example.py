@@ -269,20 +269,23 @@ def test_grouped_conv_path_with_onednn_forced_in_a_child_process():
 
 
 @pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("kind", ["dense", "rows"])  # rows: an embedding
-def test_float32_ghost_norms_never_fall_below_the_exact_norms(kind, jit):
+@pytest.mark.parametrize("kind, mode", [("dense", "ghost"), ("rows", "ghost"),
+                                        ("rows", "auto"), ("rows", "materialise")])
+def test_float32_ghost_norms_never_fall_below_the_exact_norms(kind, mode, jit):
     """Inputs nearly equal across positions (one token) and backprops summing to nearly zero
     make the ghost identity's terms cancel. With the rounding bound of dpcore.rounding the
     float32 ghost norms, eager and under XLA, are at least the exact norms of the data's
     per-example gradients (float64 oracle); the plain sums fell below them. On ordinary
-    data the bound moves them by under 1%."""
+    data the bound moves them by under 1%. An embedding's norms from its rows summed per id
+    ("auto", "materialise") take the same bound: its clipped sum adds them in another
+    order."""
     rng = np.random.default_rng(12)
     b, p, c, f = 16, 64, 128, 256
 
     def norms(a, g):
         if kind == "dense":
             return lg.DenseKernel(a, g, (c, f), mode="ghost").sq_norms()
-        return lg.EmbeddingTable(a, g, 9, mode="ghost").sq_norms()
+        return lg.EmbeddingTable(a, g, 9, mode=mode).sq_norms()
 
     run = tf.function(norms, jit_compile=True) if jit else norms
     for spread in cancelling.SPREADS:
@@ -291,3 +294,17 @@ def test_float32_ghost_norms_never_fall_below_the_exact_norms(kind, jit):
         assert (got >= exact).all(), (spread, (got / exact).min())
         if spread == 1.0:
             assert (got <= exact * 1.01).all()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_ghost_norms_are_formed_in_float32(dtype):
+    """A 16-bit model's Gram matrices are formed in float32: in float16 the rounding bound,
+    which grows with the machine epsilon, made the norms about 20 times too large, and
+    bfloat16 had no machine epsilon for NumPy."""
+    rng = np.random.default_rng(14)
+    a, g, _ = cancelling.case(rng, "dense", 8, 64, 128, 256, 1.0)
+    a16, g16 = tf.constant(a, dtype), tf.constant(g, dtype)
+    exact = cancelling.exact_sq_norms(tf.cast(a16, tf.float32).numpy(),
+                                      tf.cast(g16, tf.float32).numpy())
+    got = lg.DenseKernel(a16, g16, (128, 256), mode="ghost").sq_norms().numpy()
+    assert (got >= exact).all() and (got <= exact * 1.01).all()

@@ -689,24 +689,26 @@ def test_a_fallback_parameter_used_outside_its_module_is_an_error(use, mode):
 
 
 
-@pytest.mark.parametrize("layer", ["linear", "conv"])
+@pytest.mark.parametrize("layer", ["linear", "conv", "embedding"])
 def test_float32_ghost_norms_never_fall_below_the_exact_norms(layer):
     """With the rounding bound of dpcore.rounding, the ghost squared norm is at least the
     exact squared norm of the float32 data's per-example gradient (float64 oracle), where
     the plain ghost sum fell below it (by 0.8% here, by 10% in a probe with 200 positions: a
     clipped contribution of 1.05 C); on ordinary data the bound moves the norms by under 1%.
     (A materialised gradient needs no bound: it is the very vector that is clipped and
-    summed.)"""
+    summed. An embedding's norm sums each record's rows per id in one order, its clipped
+    sum in another: it takes the bound.)"""
     rng = np.random.default_rng(3)
     # shapes that take the ghost norm: T (d_in + d_out) <= d_in d_out
-    b, t, d_in, d_out = (32, 64, 128, 256) if layer == "linear" else (32, 16, 48, 40)
-    module = nn.Linear(d_in, d_out) if layer == "linear" else nn.Conv1d(d_in, d_out, 1)
+    b, t, d_in, d_out = {"linear": (32, 64, 128, 256), "conv": (32, 16, 48, 40),
+                         "embedding": (32, 64, 9, 128)}[layer]
+    module = {"linear": nn.Linear(d_in, d_out), "conv": nn.Conv1d(d_in, d_out, 1),
+              "embedding": nn.Embedding(d_in, d_out)}[layer]
     engine = PerExampleEngine(module, loss_reduction="sum")
     for spread in cancelling.SPREADS:
-        a = cancelling.inputs(rng, b, t, d_in, spread)
-        g = cancelling.backprops(rng, b, t, d_out, spread)
-        exact = torch.from_numpy(cancelling.exact_sq_norms(a, g))
-        x, g = torch.from_numpy(a), torch.from_numpy(g)
+        a, g, exact = cancelling.case(rng, "rows" if layer == "embedding" else "dense",
+                                      b, t, d_in, d_out, spread, vocabulary=d_in)
+        x, g, exact = torch.from_numpy(a), torch.from_numpy(g), torch.from_numpy(exact)
         if layer == "conv":  # Conv1d of kernel 1 on (B, C, L): positions on the last axis
             x, g = x.transpose(1, 2), g.transpose(1, 2)
         engine.clear()
@@ -857,3 +859,24 @@ def test_an_interrupted_fallback_forward_leaves_the_parameters_in_place():
     engine.detach()
     assert type(model[0].gate) is nn.Parameter and model[0].gate.is_leaf
     assert "_call_impl" not in vars(model[0])
+
+
+@pytest.mark.parametrize("precision", ["high", "medium"])
+def test_ghost_norms_keep_their_bound_under_reduced_matmul_precision(precision):
+    """torch.set_float32_matmul_precision lets float32 products round their inputs to
+    TensorFloat-32 or bfloat16 (oneDNN on CPUs with bfloat16 units): the margin then uses
+    that format's epsilon. Values just below a bfloat16 rounding midpoint put the plain ghost
+    norm 1.5% below the exact one here."""
+    value = 1 + 0.99 * 2.0 ** -8  # rounds down to 1 in bfloat16
+    x, g = torch.full((2, 16, 256), value), torch.full((2, 16, 256), value)
+    exact = torch.einsum("bti,bto->bio", x.double(), g.double()).pow(2).sum((1, 2))
+    module = nn.Linear(256, 256)  # T (d_in + d_out) <= d_in d_out: the ghost norm
+    engine = PerExampleEngine(module, loss_reduction="sum")
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        (module(x) * g).sum().backward()
+        got = engine.sq_norms(["weight"])[:, 0].double()
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert (got >= exact).all()
