@@ -225,8 +225,9 @@ class ConvKernel:
 class EmbeddingTable:
     """Embedding table (V x d) from ids (B, T) and output gradients (B, T, d). ``"auto"``
     takes the norms from the rows each example touches (:meth:`touched_rows_sq_norms`, B T d),
-    ``"ghost"`` from the ghost identity (B T^2), ``"materialise"`` from the dense (B, V, d)
-    per-example gradients."""
+    ``"ghost"`` from the ghost identity (B T^2), ``"materialise"`` from the rows of the
+    dense (B, V, d) per-example gradients (:meth:`per_example`), summed as one segment sum
+    over B V segments."""
 
     def __init__(self, ids: tf.Tensor, g: tf.Tensor, vocabulary: int, *, mode: str = "auto"):
         if mode not in MODES:
