@@ -364,6 +364,11 @@ def _cyclic_composition(plds, size: int, dtype) -> np.ndarray:
             _place(placed[row], pld.offset, pld.masses)
         transforms = fft.rfft(placed, axis=1, workers=-1)
         for row, (_, count) in enumerate(batch):
+            if dtype != np.float64:  # drop first, in float64, what cannot survive this row
+                with np.errstate(divide="ignore"):
+                    rough = log_modulus[alive].astype(np.float64) + count * np.log(
+                        np.abs(transforms[row, alive].astype(np.complex128)))
+                alive = alive[rough > _LOG_UNDERFLOW - 1.0]
             transform = transforms[row, alive]
             with np.errstate(divide="ignore"):
                 log_modulus[alive] += count * np.log(np.abs(transform))
