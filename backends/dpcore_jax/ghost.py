@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jax.lax import GatherScatterMode
 
-from dpcore.rounding import ghost_margin
+from dpcore.rounding import ghost_margin, sum_margin
 
 from .backend import one_example_loss
 from .names import leaf_names
@@ -332,20 +332,23 @@ def _touched_rows_sq_norms(ids, rows):
     """||dl_i/dE||^2 = sum_v ||sum_{p: ids_p = v} g_{i,p}||^2 from ids (B, P) and rows
     (B, P, d): each example's ids sorted, its rows summed per run of equal ids (one segment
     sum over B P segments, static shapes), the sums squared. The clipped sum adds the rows in
-    another order, so each run's squared sum gets the bound of :mod:`dpcore.rounding` on its
-    rounding, with U the square of the run's summed row norms."""
+    another order, so each run's norm gets the bound of :mod:`dpcore.rounding` on the rounding
+    of a sum of rows (:func:`dpcore.rounding.sum_margin`)."""
     batch, positions, width = rows.shape
     order = jnp.argsort(ids, axis=1)
     ids = jnp.take_along_axis(ids, order, axis=1)
     rows = jnp.take_along_axis(rows, order[..., None], axis=1)
     starts = ids != jnp.concatenate([ids[:, :1] - 1, ids[:, :-1]], axis=1)
     runs = (jnp.cumsum(starts, axis=1) - 1 + positions * jnp.arange(batch)[:, None]).reshape(-1)
-    sums = jax.ops.segment_sum(rows.reshape(-1, width), runs, num_segments=batch * positions)
+    segments = batch * positions
+    sums = jax.ops.segment_sum(rows.reshape(-1, width), runs, num_segments=segments)
     spans = jax.ops.segment_sum(jnp.sqrt(jnp.sum(rows ** 2, axis=2)).reshape(-1), runs,
-                                num_segments=batch * positions)
-    margin = ghost_margin(width, positions, jnp.finfo(rows.dtype).eps)
-    squares = jnp.sum(sums ** 2, axis=1) + margin * spans ** 2
-    return jnp.sum(squares.reshape(batch, positions), axis=1)
+                                num_segments=segments)
+    counts = jax.ops.segment_sum(jnp.ones_like(spans, shape=runs.shape), runs,
+                                 num_segments=segments)
+    margins = sum_margin(width, counts, jnp.finfo(rows.dtype).eps)
+    bounded = (jnp.sqrt(jnp.sum(sums ** 2, axis=1)) + margins * spans) ** 2
+    return jnp.sum(bounded.reshape(batch, positions), axis=1)
 
 
 def _is_kernel_conv(site: Site) -> bool:

@@ -30,7 +30,7 @@ import string
 import numpy as np
 import tensorflow as tf
 
-from dpcore.rounding import ghost_margin
+from dpcore.rounding import ghost_margin, sum_margin
 
 
 MODES = ("auto", "ghost", "materialise")
@@ -258,15 +258,17 @@ class EmbeddingTable:
     def _summed_rows_sq_norms(self, g, segments, count) -> tf.Tensor:
         """sum over an example's segments of ||sum of its rows of g||^2, the rows summed per
         segment (ids (B, T) into ``count`` segments, example-major). The clipped sum adds the
-        rows in another order, so each segment's squared sum gets the bound of
-        :mod:`dpcore.rounding` on its rounding, with U the square of its rows' summed norms."""
+        rows in another order, so each segment's norm gets the bound of :mod:`dpcore.rounding`
+        on the rounding of a sum of rows (:func:`dpcore.rounding.sum_margin`)."""
         g = wide(g)
         segments = tf.reshape(segments, [-1])
         sums = tf.math.unsorted_segment_sum(tf.reshape(g, [-1, g.shape[2]]), segments, count)
-        spans = tf.math.unsorted_segment_sum(
-            tf.reshape(tf.norm(g, axis=2), [-1]), segments, count)
-        squares = tf.reduce_sum(tf.square(sums), 1) + _margin(g.shape[2], g) * tf.square(spans)
-        return tf.reduce_sum(tf.reshape(squares, [tf.shape(g)[0], -1]), 1)
+        norms = tf.reshape(tf.norm(g, axis=2), [-1])
+        spans = tf.math.unsorted_segment_sum(norms, segments, count)
+        counts = tf.math.unsorted_segment_sum(tf.ones_like(norms), segments, count)
+        margins = sum_margin(g.shape[2], counts, np.finfo(g.dtype.as_numpy_dtype).eps)
+        bounded = tf.square(tf.norm(sums, axis=1) + margins * spans)
+        return tf.reduce_sum(tf.reshape(bounded, [tf.shape(g)[0], -1]), 1)
 
     def sq_norms(self) -> tf.Tensor:
         if self.mode == "auto":

@@ -229,7 +229,7 @@ class PerExampleEngine:
     def _contributions(self) -> tuple[dict[str, list], int]:
         if self._leaked:
             where = ("the model's forward" if self.mode == "vmap" else
-                     "the forward of the module that owns it")
+                     "the call of the module that owns it")
             fix = "" if self.mode == "vmap" else ", or make_private(..., mode='vmap')"
             raise LeakedGradientError(
                 f"parameters {sorted(self._leaked)} received gradients from a use dpcore could "

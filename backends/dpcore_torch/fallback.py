@@ -142,9 +142,12 @@ class FallbackUnit:
     For its whole call (forward pre-hooks such as weight_norm's, forward, forward hooks:
     everything the replay runs again), the module holds its trainable parameters through
     :class:`_Stop`: its ``_call_impl``, which ``nn.Module.__call__`` looks up on the
-    instance, is wrapped, and the parameters are put back in a ``finally`` (also on
-    ``KeyboardInterrupt``). A call made inside a call of the same module (a module that calls
-    itself) is replayed with the outer one and not recorded on its own."""
+    instance (or, for a module compiled with ``module.compile()``, its
+    ``_compiled_call_impl``), is wrapped, and the parameters are put back in a ``finally``
+    (also on ``KeyboardInterrupt``). A call made inside a call of the same module (a module
+    that calls itself) is replayed with the outer one and not recorded on its own. Once
+    removed, the wrapper (which a later ``module.compile()`` may have captured) calls the
+    module as it is."""
 
     def __init__(self, module: nn.Module, names: dict[str, str], recurse: bool):
         self.module, self.names = module, names  # key in module -> leaf name
@@ -157,21 +160,33 @@ class FallbackUnit:
                                               else [("", module)])
                        for attr, p in holder._parameters.items()
                        if p is not None and id(p) in ours}
-        self._depth = 0
-        module._call_impl = self._call
+        self._depth, self._removed = 0, False
+        self._compiled = module._compiled_call_impl  # set by module.compile(), else None
+        if self._compiled is None:
+            module._call_impl = self._call
+        else:
+            module._compiled_call_impl = self._call
         self._handle = module.register_forward_hook(self._on_forward, with_kwargs=True)
 
     def remove(self) -> None:
+        self._removed = True
         self._handle.remove()
         self.module.__dict__.pop("_call_impl", None)
+        if self._compiled is not None:
+            self.module._compiled_call_impl = self._compiled
 
     def _recording(self) -> bool:
         return not replaying() and torch.is_grad_enabled()
 
+    def _plain(self, *args, **kwargs):
+        if self._compiled is not None:
+            return self._compiled(*args, **kwargs)
+        return type(self.module)._call_impl(self.module, *args, **kwargs)
+
     def _call(self, *args, **kwargs):
-        plain = type(self.module)._call_impl
-        if not self._recording():
-            return plain(self.module, *args, **kwargs)
+        plain = self._plain
+        if self._removed or not self._recording():
+            return plain(*args, **kwargs)
         stops, swapped = {}, []
         for holder, attr, key in self._slots.values():
             p = holder._parameters[attr]
@@ -182,7 +197,7 @@ class FallbackUnit:
                 swapped.append((holder, attr, p))
         self._depth += 1
         try:
-            return plain(self.module, *args, **kwargs)
+            return plain(*args, **kwargs)
         finally:
             self._depth -= 1
             for holder, attr, p in swapped:

@@ -26,6 +26,7 @@ LayerNorm / GroupNorm, normalised input xh: grad_weight_i = sum (g_i * xh_i), gr
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.grad import conv1d_input, conv2d_input
 
-from dpcore.rounding import ghost_margin
+from dpcore.rounding import ghost_margin, sum_margin
 
 
 def keep_rows(t, keep):
@@ -255,16 +256,21 @@ def _wide(t):
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-#: The machine epsilon of float32 matrix products under ``torch.set_float32_matmul_precision``:
-#: "high" allows TensorFloat-32 (10 bits), "medium" bfloat16 (7 bits) for their inputs.
-MATMUL_EPS = {"highest": 2.0 ** -23, "high": 2.0 ** -10, "medium": 2.0 ** -7}
-
-
-def _eps(dtype) -> float:
-    """The machine epsilon of Gram matrices formed in ``dtype``."""
-    if dtype == torch.float32:
-        return MATMUL_EPS[torch.get_float32_matmul_precision()]
-    return torch.finfo(dtype).eps
+@contextlib.contextmanager
+def full_precision():
+    """float32 matrix products at full precision within the block: the rounding bound of
+    :mod:`dpcore.rounding` is for products in their dtype, and
+    ``torch.set_float32_matmul_precision("high" | "medium")`` lets them round their inputs
+    to TensorFloat-32 or bfloat16 (oneDNN does on CPUs with bfloat16 units)."""
+    before = torch.get_float32_matmul_precision()
+    if before == "highest":
+        yield
+        return
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def ghost_sum(products, width: int):
@@ -273,7 +279,7 @@ def ghost_sum(products, width: int):
     :mod:`dpcore.rounding`: never below the exact squared norms. Summed over s, then t."""
     t = products.shape[1]
     bound = products.diagonal(dim1=1, dim2=2).sqrt().sum(1).square_()
-    margin = ghost_margin(width, t, _eps(products.dtype))
+    margin = ghost_margin(width, t, torch.finfo(products.dtype).eps)
     return products.sum(2).sum(1).add_(bound, alpha=margin)
 
 
@@ -406,7 +412,8 @@ class LinearRule(Rule):
         t, d_in, d_out = x.shape[1], x.shape[2], g.shape[2]
         if use_ghost(t, d_in + d_out, d_in * d_out, prefer):
             x, g = _wide(x), _wide(g)
-            products = torch.bmm(x, x.transpose(1, 2)).mul_(torch.bmm(g, g.transpose(1, 2)))
+            with full_precision():
+                products = torch.bmm(x, x.transpose(1, 2)).mul_(torch.bmm(g, g.transpose(1, 2)))
             return ghost_sum(products, d_in + d_out)
         return super().sq_norm(module, use, name, prefer)
 
@@ -613,8 +620,9 @@ class ConvRule(Rule):
             o = module.out_channels // module.groups
             if use_ghost(length, d + o, d * o, prefer):
                 cols, g = map(_wide, self._unfolded(module, use))
-                gram_x = torch.einsum("bgdl,bgdm->bglm", cols, cols)
-                products = gram_x.mul_(torch.einsum("bgol,bgom->bglm", g, g))
+                with full_precision():
+                    gram_x = torch.einsum("bgdl,bgdm->bglm", cols, cols)
+                    products = gram_x.mul_(torch.einsum("bgol,bgom->bglm", g, g))
                 return ghost_sum(products.flatten(0, 1), d + o).view(-1, module.groups).sum(1)
         return super().sq_norm(module, use, name, prefer)
 
@@ -681,6 +689,7 @@ class EmbeddingRule(Rule):
         of B T indices, against B T^2 d for the ghost identity and B V d for the dense
         gradient; the sums cover only the repeated lookups."""
         k, g = self._kg(module, use)
+        g = _wide(g)
         row_sq = torch.linalg.vector_norm(g, dim=2).square_()  # (B, T)
         ordered, order = k.sort(1)
         repeat = ordered[:, 1:] == ordered[:, :-1]
@@ -694,14 +703,15 @@ class EmbeddingRule(Rule):
                                        return_inverse=True)
         sums = g.new_zeros(distinct.shape[0], g.shape[-1]).index_add_(
             0, which, g[examples, positions])
-        # the clipped sum adds these rows in another order: the bound of dpcore.rounding on a
-        # run's rounding, with (sum of its rows' norms)^2 for U
-        spans = g.new_zeros(distinct.shape[0]).index_add_(
-            0, which, row_sq[examples, positions].sqrt())
-        margin = ghost_margin(g.shape[-1], k.shape[1], torch.finfo(g.dtype).eps)
+        # the clipped sum adds these rows in another order: the norm of a sum of n rows gets
+        # sum_margin(d, n) times the rows' summed norms (dpcore.rounding)
+        norms = row_sq[examples, positions].sqrt()
+        spans = torch.zeros_like(sums[:, 0]).index_add_(0, which, norms)
+        counts = torch.zeros_like(spans).index_add_(0, which, torch.ones_like(norms))
+        margins = sum_margin(g.shape[-1], counts, torch.finfo(g.dtype).eps)
+        bounded = torch.linalg.vector_norm(sums, dim=1).addcmul_(margins, spans).square_()
         once = row_sq.masked_fill_(repeated, 0).sum(1)
-        return once.index_add_(0, distinct // vocab,
-                               row_sq_norms(sums).add_(spans.square_(), alpha=margin))
+        return once.index_add_(0, distinct // vocab, bounded)
 
     def add_weighted_sum(self, module, use, name, c, out) -> None:
         if name in use.cache:
