@@ -602,8 +602,8 @@ class ConvRule(Rule):
         module's stride the dilation and its dilation the stride, so output position k is
         sum_l g_i[:, l] x_i[l s + k d - p] = grad_i[:, 0, k] (cropped to the kernel). On an
         Intel CPU with oneDNN this took 2.2 ms against 3.8 for the grouped weight gradient
-        (MNIST conv1, B = 256; docs/benchmarks-history.md, ninth session); with more input channels the
-        grouped form was faster."""
+        (MNIST conv1, B = 256; docs/benchmarks-history.md, ninth session); with more input
+        channels the grouped form was faster."""
         x, g, w = use.x, use.g, module.weight
         b, o = x.shape[0], w.shape[0]
         conv = F.conv2d if x.dim() == 4 else F.conv1d
