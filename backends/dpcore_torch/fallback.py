@@ -161,7 +161,7 @@ class FallbackUnit:
                        for attr, p in holder._parameters.items()
                        if p is not None and id(p) in ours}
         self._depth, self._removed = 0, False
-        self._compiled = module._compiled_call_impl  # set by module.compile(), else None
+        self._compiled = getattr(module, "_compiled_call_impl", None)  # module.compile()
         if self._compiled is None:
             module._call_impl = self._call
         else:
