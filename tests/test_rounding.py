@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cancelling
-from dpcore.rounding import ghost_margin
+from dpcore.rounding import ghost_margin, sum_margin
 
 
 @pytest.mark.parametrize("t, c, f", [(8, 16, 16), (64, 128, 256), (200, 32, 512)])
@@ -28,3 +28,26 @@ def test_the_margin_bounds_the_rounding_of_cancelling_ghost_sums(t, c, f):
 def test_the_margin_scales_with_width_positions_and_precision():
     assert ghost_margin(640, 64, 2.0 ** -23) == pytest.approx(768 * 2.0 ** -23)
     assert ghost_margin(640, 64, 2.0 ** -52) < 1e-12
+
+
+@pytest.mark.parametrize("n, d", [(3, 1), (4, 8), (64, 128)])
+def test_the_sum_margin_bounds_the_norm_of_a_cancelling_sum_of_rows(n, d):
+    """Rows that nearly cancel, summed in float32 in random orders: the exact norm of their
+    sum is at most the computed norm plus sum_margin(d, n) times the sum of the rows' norms
+    (float64 oracle), and the plain computed norm does fall below the exact one."""
+    rng = np.random.default_rng(n)
+    eps, below = np.finfo(np.float32).eps, False
+    for _ in range(200):
+        scale = 10.0 ** rng.uniform(-3, 12)
+        rows = rng.normal(size=(n, d)) * scale
+        rows[-1] = -rows[:-1].sum(0) + rng.normal(size=d) * scale * 10.0 ** rng.uniform(-9, -5)
+        rows = rows.astype(np.float32)
+        summed = np.zeros(d, np.float32)
+        for row in rows[rng.permutation(n)]:
+            summed += row
+        computed = float(np.linalg.norm(summed.astype(np.float64)))
+        exact = float(np.linalg.norm(rows.astype(np.float64).sum(0)))
+        total = float(np.linalg.norm(rows.astype(np.float64), axis=1).sum())
+        assert exact <= computed + sum_margin(d, n, eps) * total
+        below = below or computed < exact
+    assert below
