@@ -21,7 +21,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from .fallback import FallbackUnit, replaying
+from .fallback import FallbackUnit, recording
 from .layers import (PREFERENCES, RULES, AccumulationError, NotPerExampleError, Rule,
                      add_contraction, keep_rows, row_sq_norms)
 from .recurrent import RECURRENT_RULES
@@ -95,7 +95,7 @@ class _RuleUnit:
         original = module.forward
 
         def forward(*args, **kwargs):
-            if replaying() or not torch.is_grad_enabled():
+            if not recording():
                 return original(*args, **kwargs)
             if not args and "input" in kwargs:  # layer(input=x)
                 args, kwargs = (kwargs["input"],), {k: v for k, v in kwargs.items()

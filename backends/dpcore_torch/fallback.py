@@ -39,6 +39,12 @@ def replaying() -> bool:
     return getattr(_state, "replaying", False)
 
 
+def recording() -> bool:
+    """Whether a layer call is to be recorded: gradients are on and no fallback is
+    replaying."""
+    return not replaying() and torch.is_grad_enabled()
+
+
 @contextmanager
 def _replay():
     previous = replaying()
@@ -175,9 +181,6 @@ class FallbackUnit:
         if self._compiled is not None:
             self.module._compiled_call_impl = self._compiled
 
-    def _recording(self) -> bool:
-        return not replaying() and torch.is_grad_enabled()
-
     def _plain(self, *args, **kwargs):
         if self._compiled is not None:
             return self._compiled(*args, **kwargs)
@@ -185,7 +188,7 @@ class FallbackUnit:
 
     def _call(self, *args, **kwargs):
         plain = self._plain
-        if self._removed or not self._recording():
+        if self._removed or not recording():
             return plain(*args, **kwargs)
         stops, swapped = {}, []
         for holder, attr, key in self._slots.values():
@@ -204,7 +207,7 @@ class FallbackUnit:
                 holder._parameters[attr] = p
 
     def _on_forward(self, module, args, kwargs, out):
-        if not self._recording() or self._depth > 1:
+        if not recording() or self._depth > 1:
             return
         if not any(_batched(a) for a in args):
             raise TypeError(f"{type(module).__name__} was called without a positional tensor "

@@ -273,13 +273,16 @@ def full_precision():
         torch.set_float32_matmul_precision(before)
 
 
-def ghost_sum(products, width: int):
-    """Ghost squared norms (B,) from the products (B, T, T) of the Gram matrices of the inputs
-    and of the backprops (total width d_in + d_out), plus the bound on their rounding of
-    :mod:`dpcore.rounding`: never below the exact squared norms. Summed over s, then t."""
-    t = products.shape[1]
+def ghost_sq_norms(x, g):
+    """Squared norms (N,) of g_n^T x_n from x (N, T, d_in) and g (N, T, d_out) without forming
+    it: the ghost identity sum_{t,s} (x_t . x_s)(g_t . g_s), in float32 at least with the Gram
+    matrices at full precision, plus the bound on its rounding of :mod:`dpcore.rounding`, so
+    never below the exact squared norms. Summed over s, then t."""
+    x, g = _wide(x), _wide(g)
+    with full_precision():
+        products = torch.bmm(x, x.transpose(1, 2)).mul_(torch.bmm(g, g.transpose(1, 2)))
     bound = products.diagonal(dim1=1, dim2=2).sqrt().sum(1).square_()
-    margin = ghost_margin(width, t, torch.finfo(products.dtype).eps)
+    margin = ghost_margin(x.shape[2] + g.shape[2], x.shape[1], torch.finfo(x.dtype).eps)
     return products.sum(2).sum(1).add_(bound, alpha=margin)
 
 
@@ -411,10 +414,7 @@ class LinearRule(Rule):
         x, g = self._xg(use)
         t, d_in, d_out = x.shape[1], x.shape[2], g.shape[2]
         if use_ghost(t, d_in + d_out, d_in * d_out, prefer):
-            x, g = _wide(x), _wide(g)
-            with full_precision():
-                products = torch.bmm(x, x.transpose(1, 2)).mul_(torch.bmm(g, g.transpose(1, 2)))
-            return ghost_sum(products, d_in + d_out)
+            return ghost_sq_norms(x, g)
         return super().sq_norm(module, use, name, prefer)
 
     def add_weighted_sum(self, module, use, name, c, out) -> None:
@@ -619,11 +619,10 @@ class ConvRule(Rule):
             d = module.in_channels // module.groups * math.prod(module.kernel_size)
             o = module.out_channels // module.groups
             if use_ghost(length, d + o, d * o, prefer):
-                cols, g = map(_wide, self._unfolded(module, use))
-                with full_precision():
-                    gram_x = torch.einsum("bgdl,bgdm->bglm", cols, cols)
-                    products = gram_x.mul_(torch.einsum("bgol,bgom->bglm", g, g))
-                return ghost_sum(products.flatten(0, 1), d + o).view(-1, module.groups).sum(1)
+                cols, g = self._unfolded(module, use)  # (B, G, D, L), (B, G, O, L)
+                per_group = ghost_sq_norms(cols.flatten(0, 1).transpose(1, 2),
+                                           g.flatten(0, 1).transpose(1, 2))
+                return per_group.view(-1, module.groups).sum(1)
         return super().sq_norm(module, use, name, prefer)
 
     def add_weighted_sum(self, module, use, name, c, out) -> None:
@@ -690,7 +689,8 @@ class EmbeddingRule(Rule):
         gradient; the sums cover only the repeated lookups."""
         k, g = self._kg(module, use)
         g = _wide(g)
-        row_sq = torch.linalg.vector_norm(g, dim=2).square_()  # (B, T)
+        row_norms = torch.linalg.vector_norm(g, dim=2)  # (B, T)
+        row_sq = row_norms.square()
         ordered, order = k.sort(1)
         repeat = ordered[:, 1:] == ordered[:, :-1]
         if not bool(repeat.any()):
@@ -705,7 +705,7 @@ class EmbeddingRule(Rule):
             0, which, g[examples, positions])
         # the clipped sum adds these rows in another order: the norm of a sum of n rows gets
         # sum_margin(d, n) times the rows' summed norms (dpcore.rounding)
-        norms = row_sq[examples, positions].sqrt()
+        norms = row_norms[examples, positions]
         spans = torch.zeros_like(sums[:, 0]).index_add_(0, which, norms)
         counts = torch.zeros_like(spans).index_add_(0, which, torch.ones_like(norms))
         margins = sum_margin(g.shape[-1], counts, torch.finfo(g.dtype).eps)
