@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .fallback import FallbackUnit, recording
+from .instrumentation import forget, instrumentation
 from .layers import (PREFERENCES, RULES, AccumulationError, NotPerExampleError, Rule,
                      add_contraction, keep_rows, row_sq_norms)
 from .recurrent import RECURRENT_RULES
@@ -103,6 +104,7 @@ class _RuleUnit:
             return rule.forward(module, self.calls, args, kwargs)
 
         module.forward = forward
+        instrumentation(module).added.add("forward")
 
     def remove(self) -> None:
         del self.module.forward
@@ -157,10 +159,13 @@ class PerExampleEngine:
         # units form every gradient per example; one reaching a parameter is from elsewhere
         self._handles += [p.register_hook(self._leak_detector(leaf))
                           for leaf, p in self.params.items()]
-        self._handles += [sub.register_forward_pre_hook(_refuse_training_batchnorm(name))
-                          for name, sub in module.named_modules()
-                          if isinstance(sub, nn.modules.batchnorm._BatchNorm)]
+        for name, sub in module.named_modules():
+            if isinstance(sub, nn.modules.batchnorm._BatchNorm):
+                handle = sub.register_forward_pre_hook(_refuse_training_batchnorm(name))
+                instrumentation(sub).hooks.append(handle)
+                self._handles.append(handle)
         module._dpcore_engine = True
+        instrumentation(module).added.add("_dpcore_engine")
 
     # ------------------------------------------------------------------ instrumentation
     def _walk(self, module: nn.Module, prefix: str) -> None:
@@ -203,6 +208,8 @@ class PerExampleEngine:
             handle.remove()
         self.units, self._handles = [], []
         self.module.__dict__.pop("_dpcore_engine", None)
+        for sub in self.module.modules():
+            forget(sub)
 
     def clear(self) -> None:
         """Forget the inputs and backprops kept for the current step. A call no backward pass

@@ -28,6 +28,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .instrumentation import instrumentation
 from .layers import birth, cast_to, keep_rows, late_backward, tick
 
 _state = threading.local()
@@ -168,15 +169,16 @@ class FallbackUnit:
                        if p is not None and id(p) in ours}
         self._depth, self._removed = 0, False
         self._compiled = getattr(module, "_compiled_call_impl", None)  # module.compile()
+        record = instrumentation(module)
         if self._compiled is None:
             module._call_impl = self._call
+            record.added.add("_call_impl")
         else:
             module._compiled_call_impl = self._call
-        self._handle = module.register_forward_hook(self._on_forward, with_kwargs=True)
+            record.replaced["_compiled_call_impl"] = self._compiled
 
     def remove(self) -> None:
         self._removed = True
-        self._handle.remove()
         self.module.__dict__.pop("_call_impl", None)
         if self._compiled is not None:
             self.module._compiled_call_impl = self._compiled
@@ -200,20 +202,21 @@ class FallbackUnit:
                 swapped.append((holder, attr, p))
         self._depth += 1
         try:
-            return plain(*args, **kwargs)
+            out = plain(*args, **kwargs)
         finally:
             self._depth -= 1
             for holder, attr, p in swapped:
                 holder._parameters[attr] = p
+        return out if self._depth else self._record(args, kwargs, out)
 
-    def _on_forward(self, module, args, kwargs, out):
-        if not recording() or self._depth > 1:
-            return
+    def _record(self, args, kwargs, out):
+        """Keep the call's inputs (as the caller passed them: the replay runs pre-hooks
+        again) and hook its outputs (as every forward hook left them) for their backprops."""
         if not any(_batched(a) for a in args):
-            raise TypeError(f"{type(module).__name__} was called without a positional tensor "
-                            f"argument of at least one axis; dpcore's per-example fallback "
-                            f"needs the batch as a positional tensor with the examples on "
-                            f"axis 0")
+            raise TypeError(f"{type(self.module).__name__} was called without a positional "
+                            f"tensor argument of at least one axis; dpcore's per-example "
+                            f"fallback needs the batch as a positional tensor with the "
+                            f"examples on axis 0")
         leaves, spec = tree_flatten(out)
         floats = [i for i, t in enumerate(leaves) if _is_float(t)]
         call = Call(tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
@@ -228,7 +231,7 @@ class FallbackUnit:
             else:
                 t.register_hook(self._keeper(call, k))
         self.calls.append(call)
-        return tree_unflatten(leaves, spec) if copied else None  # None: the output as it is
+        return tree_unflatten(leaves, spec) if copied else out
 
     @staticmethod
     def _keeper(call, k):

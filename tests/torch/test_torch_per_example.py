@@ -841,6 +841,28 @@ def test_fallback_modules_nested_tied_or_hooked_match_the_oracle(name, mode):
         assert model[0].gate.max().item() == 1.2  # the constraint reached the parameter
 
 
+@pytest.mark.parametrize("mode", ["auto", "vmap"])
+def test_hooks_registered_on_a_fallback_module_after_the_engine_match_the_oracle(mode):
+    """A pre-hook that changes the input and a forward hook that changes the output, both
+    registered after instrumenting: the call is kept as the caller made it (its replay runs
+    the pre-hook once) and its backprop is that of the output every hook has made."""
+    gen = torch.Generator().manual_seed(13)
+    torch.manual_seed(13)
+    model = nn.Sequential(nn.Linear(5, 5), Gated(5), nn.Linear(5, 3)).double()
+    x = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,), generator=gen)
+    engine = PerExampleEngine(model, loss_reduction="sum", mode=mode)
+    for m in (model, model[1]):
+        m.register_forward_pre_hook(lambda module, args: (args[0] * 2 + 1,))
+        m.register_forward_hook(lambda module, args, out: out * out.detach().sum(1, True))
+    F.cross_entropy(model(x), y, reduction="sum").backward()
+    got = engine.per_example_grads()
+    engine.detach()
+    expected = oracle(model, x, y)
+    for n in expected:
+        assert close(got[n], expected[n]), n
+
+
 def test_an_interrupted_fallback_forward_leaves_the_parameters_in_place():
     """The parameters are put back in a finally: a KeyboardInterrupt (not an Exception, so
     no forward hook runs) must not leave the model holding non-leaf tensors."""

@@ -1,0 +1,65 @@
+"""What dpcore sets on a module instance, and copies of the module without it.
+
+dpcore instruments a model in place: a layer with a rule gets an instance ``forward``, a
+fallback module an instance ``_call_impl``, a BatchNorm a pre-hook refusing training mode, the
+model a marker. ``copy.deepcopy``, ``pickle`` and ``torch.save`` copy a module's ``__dict__``,
+so a copy would carry them bound to the *original*: a copy's layers would run the original's
+weights, its fallback modules record into the original's engine, and closures would not
+pickle. So every instrumented module has an instance ``__getstate__`` (which ``copy`` and
+``pickle`` look up on the instance) that returns its ``__dict__`` without them: a copy, a
+pickle or a ``torch.save`` of the model is the plain model with the weights of the moment (an
+EMA copy, a snapshot, a checkpoint), and can be made private on its own.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from functools import partial
+
+from torch import nn
+
+_RECORD = "_dpcore_instrumentation"
+_OURS = (_RECORD, "__getstate__")
+
+
+class Instrumentation:
+    """What dpcore changed on one module: instance attributes it ``added``, attributes it
+    ``replaced`` (with their original values) and hooks it registered (their handles)."""
+
+    def __init__(self):
+        self.added: set[str] = set()
+        self.replaced: dict[str, object] = {}
+        self.hooks: list = []
+
+    def plain_state(self, module: nn.Module) -> dict:
+        """``module.__dict__`` as it would be without dpcore."""
+        state = {k: v for k, v in module.__dict__.items()
+                 if k not in self.added and k not in _OURS}
+        state.update(self.replaced)
+        dropped: dict[int, set] = {}  # id of a hook dictionary -> ids of our hooks in it
+        for handle in self.hooks:
+            for ref in (handle.hooks_dict_ref, *handle.extra_dict_ref):
+                hooks = ref()
+                if hooks is not None:
+                    dropped.setdefault(id(hooks), set()).add(handle.id)
+        for key, value in state.items():
+            if id(value) in dropped:
+                state[key] = OrderedDict((i, hook) for i, hook in value.items()
+                                         if i not in dropped[id(value)])
+        return state
+
+
+def instrumentation(module: nn.Module) -> Instrumentation:
+    """The record of what dpcore changed on ``module`` (created, with the instance
+    ``__getstate__`` that leaves it out of copies, on first use)."""
+    record = module.__dict__.get(_RECORD)
+    if record is None:
+        record = module.__dict__[_RECORD] = Instrumentation()
+        module.__dict__["__getstate__"] = partial(record.plain_state, module)
+    return record
+
+
+def forget(module: nn.Module) -> None:
+    """Drop the record (once what it lists has been undone)."""
+    for key in _OURS:
+        module.__dict__.pop(key, None)

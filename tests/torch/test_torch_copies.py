@@ -1,0 +1,98 @@
+"""Copies of an instrumented model (``copy.deepcopy``, ``pickle``, ``torch.save``) are the plain
+model with the weights of the moment: an EMA copy or a checkpoint must not run, or record into,
+the original."""
+
+import copy
+import io
+import pickle
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from dpcore_torch import PerExampleEngine  # noqa: E402
+
+
+class Gated(nn.Module):
+    """A module without a layer rule (a fallback unit)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x):
+        return torch.tanh(x * self.gate)
+
+
+def build():
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(6)
+    norm.running_mean.uniform_(-1, 1)
+    return nn.Sequential(nn.Linear(4, 6), Gated(6), norm.eval(), nn.Linear(6, 3))
+
+
+def through_deepcopy(model):
+    return copy.deepcopy(model)
+
+
+def through_pickle(model):
+    return pickle.loads(pickle.dumps(model))
+
+
+def through_torch_save(model):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def forward_and_grads(model, x, y):
+    model.zero_grad()
+    out = model(x)
+    F.cross_entropy(out, y).backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["auto", "vmap"])
+@pytest.mark.parametrize("how", [through_deepcopy, through_pickle, through_torch_save])
+def test_a_copy_of_an_instrumented_model_is_the_plain_model(how, mode):
+    model = build()
+    engine = PerExampleEngine(model, mode=mode)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(5, 4, generator=gen), torch.randint(0, 3, (5,), generator=gen)
+    twin = how(model)
+    with torch.no_grad():  # the copy's weights are its own
+        for p in twin.parameters():
+            p.mul_(1.5)
+    plain = build()
+    plain.load_state_dict(twin.state_dict())
+    out, grads = forward_and_grads(twin, x, y)
+    plain_out, plain_grads = forward_and_grads(plain, x, y)
+    assert torch.equal(out, plain_out)
+    assert grads.keys() == plain_grads.keys()
+    for n in grads:  # every parameter, the fallback's too, gets its ordinary gradient
+        assert torch.equal(grads[n], plain_grads[n]), n
+    assert all(not unit.calls for unit in engine.units)  # nothing recorded in the original
+    twin.train()  # a plain copy may use its BatchNorm's batch statistics
+    twin(x)
+    twin.eval()
+    twin_engine = PerExampleEngine(twin, mode=mode)  # and can be made private on its own
+    twin_engine.detach()
+    # the original is still instrumented: its per-example gradients add up to its gradient
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    per_example = engine.per_example_grads()
+    model_grads = forward_and_grads(copy.deepcopy(model), x, y)[1]
+    for n, g in per_example.items():
+        torch.testing.assert_close(g.sum(0) / len(x), model_grads[n], rtol=1e-5, atol=1e-6)
+
+
+def test_a_detached_model_copies_as_before():
+    model = build()
+    PerExampleEngine(model).detach()
+    for sub in model.modules():
+        assert "__getstate__" not in sub.__dict__
+    twin = copy.deepcopy(model)
+    assert torch.equal(twin[0].weight, model[0].weight)
