@@ -169,8 +169,7 @@ class PrivateAggregator:
         self._check_unreleased()
         self._mechanism.check_leaves(clipped_sums)
         counts = self._count_sums(factors, mask)
-        self.ledger.record_sum_queries(self._events)
-        self._last_release = self._step
+        self.record_release()
         self.rng, released = aggregation.noisy_average(
             {**clipped_sums, **counts}, self._released, self.rng, self.backend.standard_normal,
             self.expected_size, xp=self.backend.namespace())
@@ -178,6 +177,14 @@ class PrivateAggregator:
             self._policy.observe(released)
             released = {leaf: released[leaf] for leaf in self._mechanism.leaves}
         return released
+
+    def record_release(self) -> None:
+        """Write the current step's sum-query events, once the checks of a release pass. The
+        releases here call it; so does a backend that draws a step's noise itself (a
+        compiled step)."""
+        self._check_unreleased()
+        self.ledger.record_sum_queries(self._events)
+        self._last_release = self._step
 
     def _check_unreleased(self) -> None:
         """A step must have begun; under a budget, it is released once: the budget priced
@@ -189,6 +196,12 @@ class PrivateAggregator:
                 f"step {self._step} was released already, and the privacy budget priced it as "
                 f"one release: release every quantity of a step at once (extra groups of the "
                 f"mechanism, e.g. for metrics), or begin a new step (sample() or begin_step())")
+
+    @property
+    def steps_since_release(self) -> int:
+        """Steps begun since the last release (or since the start): 1 when the current step is
+        the only one not released yet."""
+        return self._step - self._last_release
 
     def _count_sums(self, factors, mask) -> dict:
         """Adaptive clipping's centred counts of the unclipped records ({} without it)."""
@@ -222,8 +235,7 @@ class PrivateAggregator:
                              f"current step is {self._step}: draw a step's noise once per release")
         self._check_unreleased()
         counts = self._count_sums(factors, mask)
-        self.ledger.record_sum_queries(self._events)
-        self._last_release = self._step
+        self.record_release()
         released = draws.finish(self.expected_size)
         if counts:
             self.rng, noisy_counts = aggregation.noisy_average(

@@ -19,16 +19,11 @@ from typing import Callable
 import jax
 
 from dpcore.aggregation import NonFiniteNormError
-from dpcore.ledger import SumQueryEvent
 from dpcore.queries import Group, Mechanism
 
 from .backend import JaxBackend, refuse_tracers
 from .clipping import clipped_sums, noisy_mean
 from .noise import NoiseSource
-
-
-def sum_query_events(mechanism) -> list[SumQueryEvent]:
-    return [SumQueryEvent(g.name, g.clip, g.noise_std) for g in mechanism.groups]
 
 
 def check_aggregator(aggregator) -> None:
@@ -53,7 +48,6 @@ class _Compiled:
         self.aggregator = aggregator
         self.mechanism = aggregator.mechanism
         self.expected_size = aggregator.expected_size
-        self.events = sum_query_events(self.mechanism)
         self._source, self._drawn = NoiseSource(self.mechanism), None
 
     def noise(self, params):
@@ -84,7 +78,7 @@ class _Compiled:
                     f"{count} record(s) of this batch have a NaN or infinite gradient norm; "
                     f"nothing was released. Fix the model or loss, or create the aggregator "
                     f"with on_nonfinite='drop' to give such records weight 0")
-        self.aggregator.ledger.record_sum_queries(self.events)
+        self.aggregator.record_release()
 
 
 def private_mean_fn(loss_fn: Callable, mechanism, expected_size: float, *,

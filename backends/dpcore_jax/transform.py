@@ -31,7 +31,7 @@ from dpcore import _validation as check
 
 from .backend import refuse_tracers
 from .clipping import noisy_mean
-from .grad import check_aggregator, sum_query_events
+from .grad import check_aggregator
 
 
 class PrivateAggregateState(NamedTuple):
@@ -45,16 +45,24 @@ class PrivateOptimizerState(NamedTuple):
     inner: object     # the wrapped optimizer's state
 
 
-def _release_fn(aggregator):
+def _release_fn(aggregator, parts: int = 1):
     """``(sums, key) -> (key, private mean)``, writing the sum-query events from the
-    compiled program before the mean can exist."""
+    compiled program before the mean can exist. A release that adds the clipped sums of
+    ``parts`` > 1 calls must find exactly one step begun since the last release: with two,
+    it would sum two samples (a record in both counts twice) under one step's events."""
     check_aggregator(aggregator)
     mechanism = aggregator.mechanism
     expected_size = aggregator.expected_size
-    events = sum_query_events(mechanism)
 
     def record():
-        aggregator.ledger.record_sum_queries(events)
+        begun = aggregator.steps_since_release
+        if parts > 1 and begun != 1:
+            raise RuntimeError(
+                f"this release adds the clipped sums of accumulation_steps={parts} calls, but "
+                f"{begun} steps (Poisson samples) were begun since the last release: the "
+                f"calls must be the parts of one sample. Give PoissonBatches splits="
+                f"{parts}, and run every part of each sample; nothing was released")
+        aggregator.record_release()
         return np.zeros((), np.float32)
 
     def release(sums, key):
@@ -101,7 +109,7 @@ def private_optimizer(optimizer: optax.GradientTransformation, aggregator, *,
     k = check.count("accumulation_steps", accumulation_steps, minimum=1)
     if k == 1:
         return optax.chain(private_aggregate(aggregator), optimizer)
-    release = _release_fn(aggregator)
+    release = _release_fn(aggregator, parts=k)
 
     def init(params):
         zeros = jax.tree_util.tree_map(jnp.zeros_like, params)

@@ -22,7 +22,6 @@ import numpy as np
 import tensorflow as tf
 
 from dpcore.aggregation import NonFiniteNormError
-from dpcore.ledger import SumQueryEvent
 
 from .bookkeeping import ClippedGradients
 from .kernels import GroupClipper, clips_of, leaf_stds_of, noisy_mean, structure
@@ -107,10 +106,9 @@ class PrivateGradients:
                 raise ValueError("the aggregator's groups changed since this step was built; "
                                  "rebuild PrivateGradients")
             self._mechanism = mechanism
-            self._events = [SumQueryEvent(g.name, g.clip, g.noise_std) for g in mechanism.groups]
             self._inputs = (tuple(clips_of(mechanism)),
                             tuple(leaf_stds_of(mechanism, self.clipper.leaves)))
-        agg.ledger.record_sum_queries(self._events)
+        agg.record_release()
         return self._inputs
 
     def graph_step(self, x, y, mask, clips, stds):

@@ -243,6 +243,53 @@ def test_optax_transformation_adds_noise_once_per_logical_batch():
     assert kinds == [SamplingEvent, SumQueryEvent] * 3
 
 
+@pytest.mark.parametrize("splits, parts_run", [(2, 2), (4, 3)])
+def test_an_optax_release_summing_two_samples_is_refused(splits, parts_run):
+    """accumulation_steps=4 over samples split in 2 (or a sample left after 3 of its 4
+    parts): the release would add the clipped sums of two samples under one step's events
+    (a record in both would count twice). Refused from the program, nothing released."""
+    rng = np.random.default_rng(12)
+    loss_fn, params = wide_model(rng)
+    mechanism = dpcore.flat(["b", "w"], 1.0, 1.0)
+    agg = aggregator(mechanism, n=400, q=0.1, seed=6, on_nonfinite="drop")
+    x = rng.normal(size=(400, 200)).astype(np.float32)
+    y = rng.integers(0, 100, size=400)
+    sums_fn = clipped_sums(loss_fn, mechanism)
+    opt = private_optimizer(optax.sgd(1.0), agg, accumulation_steps=4)
+    state = opt.init(params)
+
+    @jax.jit
+    def micro_step(params, state, batch, mask):
+        sums, _ = sums_fn(params, batch, mask)
+        updates, state = opt.update(sums, state, params)
+        return optax.apply_updates(params, updates), state
+
+    batches = PoissonBatches((x, y), agg, splits=splits)
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match="2 steps .* were begun since the last release"):
+        for _ in range(2):
+            for batch, mask in batches.next()[:parts_run]:
+                params, state = micro_step(params, state, batch, mask)
+        jax.block_until_ready(params)
+    assert [type(e) for e in agg.ledger.events] == [SamplingEvent, SamplingEvent]
+
+
+def test_a_compiled_step_under_a_budget_releases_a_sample_once():
+    """The budget priced each step as one release: a second release of the same sample
+    through a compiled step is refused before it is recorded, as in the core."""
+    rng = np.random.default_rng(13)
+    loss_fn, params = models.model(rng, "logistic")
+    batch = models.data(rng, "logistic", 8)
+    agg = aggregator(dpcore.flat(["b", "w"], 1.0, 2.0), n=80, q=0.1, seed=0,
+                     budget=dpcore.PrivacyBudget(8.0, 1e-5, accountant="rdp"))
+    step = private_grad(loss_fn, agg)
+    agg.sample()
+    step(params, batch)
+    with pytest.raises(RuntimeError, match="released already"):
+        step(params, batch)
+    assert [type(e) for e in agg.ledger.events] == [SamplingEvent, SumQueryEvent]
+
+
 @pytest.mark.parametrize("entry", ["private_grad", "PrivateStep", "backend"])
 def test_a_host_side_step_inside_the_users_jit_is_refused(entry):
     """Traced once, it would advance the key and write the ledger once, and every call of
