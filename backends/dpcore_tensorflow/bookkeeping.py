@@ -155,9 +155,11 @@ class ClippedGradients:
 
     def _grad_objects(self, x, y, loss_fn: Callable, mask: tf.Tensor):
         """Forward pass under the taps and one backward pass: ({path: gradient object},
-        losses (B,), model outputs)."""
-        # persistent: a fallback found while tracing (a layer the batch does not feed) needs
-        # the tape after the taps' gradient (in a graph this keeps nothing more alive)
+        losses (B,), model outputs). Per-example gradients the taps cannot form (variables
+        of untapped layers, of layers the batch does not feed, and uses of a tapped
+        variable outside its layer's call) take the vectorized Jacobian of (m_i l_i)_i."""
+        # persistent: the fallback's Jacobian needs the tape after the taps' gradient (in a
+        # graph this keeps nothing more alive)
         with tf.GradientTape(persistent=True) as tape:
             recorder = layer_taps.Recorder(tape)
             with layer_taps.tapped(self.plan, recorder):
@@ -165,15 +167,21 @@ class ClippedGradients:
             masked = tf.where(mask, losses, tf.zeros_like(losses))
             total = tf.reduce_sum(masked)
         unfed = _unfed(self.plan, recorder, x, losses)
-        fallback = self.fallback + [v for key in unfed
-                                    for v in self.plan[key][1].variables(self.plan[key][0])]
         taps = [(key, z) for key, saves in recorder.saved.items() if key not in unfed
                 for _, z in saves]
-        grads = tape.gradient(total, [z for _, z in taps],
-                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        tapped = [v for key in recorder.reads for v, _ in recorder.reads[key] if v.trainable]
+        tapped = list({v.path: v for v in tapped}.values())
+        grads = tape.gradient(total, [z for _, z in taps] + tapped)
         by_layer: dict[int, list] = {}
-        for (key, _), g in zip(taps, grads):
-            by_layer.setdefault(key, []).append(g)
+        for (key, z), g in zip(taps, grads):
+            by_layer.setdefault(key, []).append(tf.zeros_like(z) if g is None else g)
+        # a gradient reaching a tapped variable itself: a use outside its layer's call
+        outside = [v for v, g in zip(tapped, grads[len(taps):]) if g is not None]
+        if outside:
+            warnings.warn(f"variables {sorted(v.path for v in outside)} are used outside "
+                          f"their layer's call (e.g. a weight tied by an op on "
+                          f"layer.embeddings): that use's per-example gradients take the "
+                          f"vectorized fallback (slow)", FallbackWarning, stacklevel=3)
         objects = {}
         kernel_mode = self.mode if self.mode in lg.MODES else "auto"
         for key, (layer, tap) in self.plan.items():
@@ -184,11 +192,23 @@ class ClippedGradients:
                 saved = [_cast(s, dtype) for s, _ in recorder.saved[key]]
                 gs = [_cast(g, dtype) for g in by_layer[key]]
                 objects.update(tap.grads(layer, saved, gs, kernel_mode))
-        if fallback:
-            jac = tape.jacobian(masked, fallback, experimental_use_pfor=True,
+        # the fallback's sources, by variable: the variable itself, and the values that the
+        # calls of layers the batch does not feed read it as
+        sources = [(v.path, v) for v in self.fallback + outside]
+        sources += [(v.path, value) for key in unfed for v, value in recorder.reads.get(key, ())
+                    if v.trainable]
+        if sources:
+            jac = tape.jacobian(masked, [source for _, source in sources],
+                                experimental_use_pfor=True,
                                 unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            for v, rows in zip(fallback, jac):
-                objects[v.path] = lg.Materialised(rows, v.shape)
+            variables = {v.path: v for v in self.variables}
+            rows: dict[str, tf.Tensor] = {}
+            for (path, _), part in zip(sources, jac):
+                part = _cast(part, variables[path].dtype)  # a read may be autocast
+                rows[path] = part if path not in rows else rows[path] + part
+            for path, part in rows.items():
+                tapped_rows = objects[path].per_example() if path in objects else 0
+                objects[path] = lg.Materialised(part + tapped_rows, variables[path].shape)
         batch = tf.shape(losses)[0]
         for v in self.variables:  # tapped layers the forward pass did not reach
             if v.path not in objects:

@@ -82,16 +82,35 @@ def _activate(layer, z):
 
 
 class Recorder:
-    """What the tapped layers saved during one forward pass, by layer."""
+    """What the tapped layers saved during one forward pass, by layer: their inputs and
+    outputs z, and the values they read their variables as.
+
+    A tapped call reads each variable as ``stop_gradient`` of its value, watched by the tape:
+    the taps form the gradient of that use per example, so a gradient that reaches the
+    variable itself comes from a use outside its layer's call (a weight tied by an op on
+    ``layer.embeddings``), which the engine then finds and forms by the fallback; and a
+    layer whose calls cannot be tapped (see ``bookkeeping._unfed``) is differentiated through
+    the values it read."""
 
     def __init__(self, tape: tf.GradientTape):
         self.tape = tape
         self.saved: dict[int, list[tuple[object, tf.Tensor]]] = {}
+        self.reads: dict[int, list[tuple[object, tf.Tensor]]] = {}
 
     def add(self, layer, saved, z: tf.Tensor) -> tf.Tensor:
         self.tape.watch(z)
         self.saved.setdefault(id(layer), []).append((saved, z))
         return z
+
+    def read(self, layer, variable) -> tf.Tensor | None:
+        """``variable``'s value (as the layer's autocast gives it) for this call, with the
+        gradient stopped and the value watched; None stays None."""
+        if variable is None:
+            return None
+        value = tf.stop_gradient(ops.convert_to_tensor(variable))
+        self.tape.watch(value)
+        self.reads.setdefault(id(layer), []).append((variable, value))
+        return value
 
 
 def _plain(layer, cls) -> bool:
@@ -132,9 +151,10 @@ class DenseTap(_Tap):
 
     def call(self, layer, recorder):
         def call(inputs, training=None):
-            z = ops.matmul(inputs, layer.kernel)
-            if layer.bias is not None:
-                z = ops.add(z, layer.bias)
+            kernel, bias = recorder.read(layer, layer.kernel), recorder.read(layer, layer.bias)
+            z = ops.matmul(inputs, kernel)
+            if bias is not None:
+                z = ops.add(z, bias)
             return _activate(layer, recorder.add(layer, inputs, z))
         return call
 
@@ -197,9 +217,10 @@ class EinsumDenseTap(_Tap):
 
     def call(self, layer, recorder):
         def call(inputs, training=None):
-            z = ops.einsum(layer.equation, inputs, layer.kernel)
-            if layer.bias is not None:
-                z = ops.add(z, layer.bias)
+            kernel, bias = recorder.read(layer, layer.kernel), recorder.read(layer, layer.bias)
+            z = ops.einsum(layer.equation, inputs, kernel)
+            if bias is not None:
+                z = ops.add(z, bias)
             return _activate(layer, recorder.add(layer, inputs, z))
         return call
 
@@ -255,13 +276,14 @@ class ConvTap(_Tap):
             if padding == "causal":
                 inputs = ops.pad(inputs, layer._compute_causal_padding())
                 padding = "valid"
-            z = ops.conv(inputs, layer.kernel, strides=list(layer.strides), padding=padding,
+            kernel = recorder.read(layer, layer.kernel)
+            z = ops.conv(inputs, kernel, strides=list(layer.strides), padding=padding,
                          dilation_rate=layer.dilation_rate, data_format=layer.data_format)
             if layer.use_bias:
                 shape = ((1,) * (layer.rank + 1) + (layer.filters,)
                          if layer.data_format == "channels_last"
                          else (1, layer.filters) + (1,) * layer.rank)
-                z = ops.add(z, ops.reshape(layer.bias, shape))
+                z = ops.add(z, ops.reshape(recorder.read(layer, layer.bias), shape))
             return _activate(layer, recorder.add(layer, (inputs, padding), z))
         return call
 
@@ -358,7 +380,8 @@ class EmbeddingTap(_Tap):
     def call(self, layer, recorder):
         def call(inputs):
             ids = inputs if inputs.dtype in ("int32", "int64") else ops.cast(inputs, "int32")
-            z = ops.cast(ops.take(layer.embeddings, ids, axis=0), layer.compute_dtype)
+            table = recorder.read(layer, layer.embeddings)
+            z = ops.cast(ops.take(table, ids, axis=0), layer.compute_dtype)
             return recorder.add(layer, ids, z)
         return call
 
@@ -395,10 +418,11 @@ class LayerNormalizationTap(_Tap):
             mean, var = tf.nn.moments(x, axes=axes, keepdims=True)
             inv = tf.math.rsqrt(var + layer.epsilon)
             xhat = x * inv if layer.rms_scaling else (x - mean) * inv
-            y = xhat if layer.gamma is None else xhat * tf.cast(
-                tf.reshape(layer.gamma, x.shape[axes[0]:]), x.dtype)
-            if layer.beta is not None and not layer.rms_scaling:
-                y = y + tf.cast(tf.reshape(layer.beta, x.shape[axes[0]:]), x.dtype)
+            gamma, beta = recorder.read(layer, layer.gamma), recorder.read(layer, layer.beta)
+            y = xhat if gamma is None else xhat * tf.cast(
+                tf.reshape(gamma, x.shape[axes[0]:]), x.dtype)
+            if beta is not None and not layer.rms_scaling:
+                y = y + tf.cast(tf.reshape(beta, x.shape[axes[0]:]), x.dtype)
             return ops.cast(recorder.add(layer, (xhat, len(axes)), y), layer.compute_dtype)
         return call
 
