@@ -13,6 +13,7 @@ _HOME = {
     "Buckets": "batching",
     "PoissonBatches": "batching",
     "JaxBackend": "backend",
+    "ClippedSums": "clipping",
     "clipped_sums": "clipping",
     "noisy_mean": "clipping",
     "PrivateGrad": "grad",

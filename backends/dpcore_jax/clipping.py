@@ -19,7 +19,7 @@ divides by the public expected size q n. Everything here is pure and can run und
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -98,11 +98,21 @@ def _chunk(loss_fn, mechanism, method, params, batch, mask, clips):
     return sums, nonfinite, factors
 
 
+class ClippedSums(NamedTuple):
+    """A batch's clipped per-leaf sums (a pytree like the parameters) and the number of its
+    real rows whose norm was not finite (given weight 0). The optax transformation takes it
+    whole, so that ``on_nonfinite="raise"`` can refuse the release."""
+
+    sums: object
+    nonfinite: jax.Array
+
+
 def clipped_sums(loss_fn: Callable, mechanism: Mechanism, *, chunk_size: int | None = None,
                  method: str = "ghost", with_factors: bool = False) -> Callable:
-    """A pure function ``(params, batch, mask, clips=None) -> (sums, nonfinite)``: the clipped
-    per-leaf sums as a pytree like ``params`` and the number of real rows with a non-finite
-    norm (given weight 0); ``with_factors=True`` appends the clip factors (B, G). ``clips``
+    """A pure function ``(params, batch, mask, clips=None) -> ClippedSums(sums, nonfinite)``:
+    the clipped per-leaf sums as a pytree like ``params`` and the number of real rows with a
+    non-finite norm (given weight 0); ``with_factors=True`` returns the tuple
+    ``(sums, nonfinite, factors)`` with the clip factors (B, G). ``clips``
     (G,) replaces the mechanism's clips (a traced argument: moving clips do not recompile). ``loss_fn(params, batch) -> (B,)`` is the per-record loss; ``mask``
     (B,) bool marks real rows (None: all). ``method`` is ``"ghost"`` (norms and sums from
     each leaf's operation, see :mod:`dpcore_jax.ghost`) or ``"vmap"`` (per-example
@@ -145,8 +155,8 @@ def clipped_sums(loss_fn: Callable, mechanism: Mechanism, *, chunk_size: int | N
         return _result(params, sums, nonfinite, factors.reshape(rows, factors.shape[-1]))
 
     def _result(params, sums, nonfinite, factors):
-        out = (unflatten_like(params, sums), nonfinite)
-        return out + (factors,) if with_factors else out
+        out = ClippedSums(unflatten_like(params, sums), nonfinite)
+        return (*out, factors) if with_factors else out
 
     return run
 

@@ -1,7 +1,9 @@
 """The Gaussian sum query as an optax ``GradientTransformation``.
 
-:func:`private_aggregate` maps the *clipped sums* of a step (from
-:func:`dpcore_jax.clipping.clipped_sums`) to the private average
+:func:`private_aggregate` maps the *clipped sums* of a step (the
+:class:`~dpcore_jax.clipping.ClippedSums` of :func:`~dpcore_jax.clipping.clipped_sums`, whose
+count of records with a non-finite norm makes the release fail under
+``on_nonfinite="raise"``) to the private average
 
     (sums_j + N(0, (alpha_j sigma~_g)^2 I)) / (q n),
 
@@ -28,9 +30,10 @@ import optax
 from jax.experimental import io_callback
 
 from dpcore import _validation as check
+from dpcore.aggregation import NonFiniteNormError
 
 from .backend import refuse_tracers
-from .clipping import noisy_mean
+from .clipping import ClippedSums, noisy_mean
 from .grad import check_aggregator
 
 
@@ -40,21 +43,42 @@ class PrivateAggregateState(NamedTuple):
 
 class PrivateOptimizerState(NamedTuple):
     key: jax.Array
-    sums: object      # clipped sums of the logical batch so far
-    count: jax.Array  # parts seen so far
-    inner: object     # the wrapped optimizer's state
+    sums: object          # clipped sums of the logical batch so far
+    count: jax.Array      # parts seen so far
+    nonfinite: jax.Array  # records with a non-finite norm in them
+    inner: object         # the wrapped optimizer's state
+
+
+def _clipped(updates, aggregator):
+    """``(sums, nonfinite)`` from what the caller passed: the :class:`ClippedSums` of
+    :func:`dpcore_jax.clipped_sums`, or (under ``on_nonfinite="drop"`` only) bare sums."""
+    if isinstance(updates, ClippedSums):
+        return updates.sums, jnp.asarray(updates.nonfinite, jnp.int32)
+    if aggregator.on_nonfinite == "raise":
+        raise TypeError(
+            "the aggregator's on_nonfinite='raise' needs the count of records with a "
+            "non-finite norm: pass the ClippedSums that clipped_sums returns, whole "
+            "(opt.update(sums_fn(params, batch, mask), state, params)), or create the "
+            "aggregator with on_nonfinite='drop'")
+    return updates, jnp.zeros((), jnp.int32)
 
 
 def _release_fn(aggregator, parts: int = 1):
-    """``(sums, key) -> (key, private mean)``, writing the sum-query events from the
-    compiled program before the mean can exist. A release that adds the clipped sums of
+    """``(sums, nonfinite, key) -> (key, private mean)``, writing the sum-query events from
+    the compiled program before the mean can exist. Under ``on_nonfinite="raise"`` a
+    release with ``nonfinite`` > 0 fails instead. A release that adds the clipped sums of
     ``parts`` > 1 calls must find exactly one step begun since the last release: with two,
     it would sum two samples (a record in both counts twice) under one step's events."""
     check_aggregator(aggregator)
     mechanism = aggregator.mechanism
     expected_size = aggregator.expected_size
 
-    def record():
+    def record(nonfinite):
+        if aggregator.on_nonfinite == "raise" and int(nonfinite):
+            raise NonFiniteNormError(
+                f"{int(nonfinite)} record(s) of this sample have a NaN or infinite gradient "
+                f"norm; nothing was released. Fix the model or loss, or create the aggregator "
+                f"with on_nonfinite='drop' to give such records weight 0")
         begun = aggregator.steps_since_release
         if parts > 1 and begun != 1:
             raise RuntimeError(
@@ -65,9 +89,10 @@ def _release_fn(aggregator, parts: int = 1):
         aggregator.record_release()
         return np.zeros((), np.float32)
 
-    def release(sums, key):
+    def release(sums, nonfinite, key):
         key, mean = noisy_mean(sums, mechanism, key, expected_size)
-        written = io_callback(record, jax.ShapeDtypeStruct((), jnp.float32), ordered=True)
+        written = io_callback(record, jax.ShapeDtypeStruct((), jnp.float32), nonfinite,
+                              ordered=True)
         return key, jax.tree_util.tree_map(lambda x: x + written.astype(x.dtype), mean)
 
     return release
@@ -94,7 +119,7 @@ def private_aggregate(aggregator) -> optax.GradientTransformation:
 
     def update(updates, state, params=None):
         del params
-        key, mean = release(updates, state.key)
+        key, mean = release(*_clipped(updates, aggregator), state.key)
         return mean, PrivateAggregateState(key)
 
     return optax.GradientTransformation(init, update)
@@ -113,22 +138,25 @@ def private_optimizer(optimizer: optax.GradientTransformation, aggregator, *,
 
     def init(params):
         zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
-        return PrivateOptimizerState(_split_key(aggregator), zeros, jnp.zeros((), jnp.int32),
+        none = jnp.zeros((), jnp.int32)
+        return PrivateOptimizerState(_split_key(aggregator), zeros, none, none,
                                      optimizer.init(params))
 
     def update(updates, state, params=None):
-        sums = jax.tree_util.tree_map(jnp.add, state.sums, updates)
-        count = state.count + 1
+        part, part_nonfinite = _clipped(updates, aggregator)
+        sums = jax.tree_util.tree_map(jnp.add, state.sums, part)
+        count, nonfinite = state.count + 1, state.nonfinite + part_nonfinite
 
         def emit():
-            key, mean = release(sums, state.key)
+            key, mean = release(sums, nonfinite, state.key)
             out, inner = optimizer.update(mean, state.inner, params)
             zeros = jax.tree_util.tree_map(jnp.zeros_like, sums)
-            return out, PrivateOptimizerState(key, zeros, jnp.zeros((), jnp.int32), inner)
+            none = jnp.zeros((), jnp.int32)
+            return out, PrivateOptimizerState(key, zeros, none, none, inner)
 
         def hold():
-            out = jax.tree_util.tree_map(jnp.zeros_like, updates)
-            return out, PrivateOptimizerState(state.key, sums, count, state.inner)
+            out = jax.tree_util.tree_map(jnp.zeros_like, part)
+            return out, PrivateOptimizerState(state.key, sums, count, nonfinite, state.inner)
 
         return jax.lax.cond(count == k, emit, hold)
 

@@ -221,9 +221,9 @@ def test_optax_transformation_adds_noise_once_per_logical_batch():
 
     @jax.jit
     def micro_step(params, state, batch, mask):
-        sums, _ = sums_fn(params, batch, mask)
-        updates, state = opt.update(sums, state, params)
-        return optax.apply_updates(params, updates), state, sums
+        clipped = sums_fn(params, batch, mask)
+        updates, state = opt.update(clipped, state, params)
+        return optax.apply_updates(params, updates), state, clipped.sums
 
     noise = []
     for parts in PoissonBatches((x, y), agg, splits=k, steps=3):
@@ -260,8 +260,7 @@ def test_an_optax_release_summing_two_samples_is_refused(splits, parts_run):
 
     @jax.jit
     def micro_step(params, state, batch, mask):
-        sums, _ = sums_fn(params, batch, mask)
-        updates, state = opt.update(sums, state, params)
+        updates, state = opt.update(sums_fn(params, batch, mask), state, params)
         return optax.apply_updates(params, updates), state
 
     batches = PoissonBatches((x, y), agg, splits=splits)
@@ -272,6 +271,40 @@ def test_an_optax_release_summing_two_samples_is_refused(splits, parts_run):
                 params, state = micro_step(params, state, batch, mask)
         jax.block_until_ready(params)
     assert [type(e) for e in agg.ledger.events] == [SamplingEvent, SamplingEvent]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("policy", ["raise", "drop"])
+def test_the_optax_route_follows_the_nonfinite_policy(policy, k):
+    """A record with a NaN gradient in the first part of a sample: under "raise" the release
+    (at the k-th part) fails before its events are written; under "drop" it is released with
+    the record at weight 0. Bare sums cannot carry the count: refused under "raise"."""
+    rng = np.random.default_rng(14)
+    loss_fn, params = wide_model(rng)
+    mechanism = dpcore.flat(["b", "w"], 1.0, 1.0)
+    agg = aggregator(mechanism, n=8, q=0.5, seed=1, on_nonfinite=policy)
+    x = rng.normal(size=(8, 200)).astype(np.float32)
+    x[0, 3] = np.nan
+    y = rng.integers(0, 100, size=8)
+    sums_fn = clipped_sums(loss_fn, mechanism)
+    opt = private_optimizer(optax.sgd(1.0), agg, accumulation_steps=k)
+    state = opt.init(params)
+    step = jax.jit(lambda p, s, b, m: opt.update(sums_fn(p, b, m), s, p))
+    agg.begin_step()
+    parts = [((x[:4], y[:4]), np.ones(4, bool)), ((x[4:], y[4:]), np.ones(4, bool))][:k]
+    if policy == "raise":
+        with pytest.raises(jax.errors.JaxRuntimeError, match="1 record.*NaN or infinite"):
+            for batch, mask in parts:
+                updates, state = step(params, state, batch, mask)
+            updates["w"].block_until_ready()
+        assert [type(e) for e in agg.ledger.events] == [SamplingEvent]
+        with pytest.raises(TypeError, match="pass the ClippedSums"):
+            opt.update(sums_fn(params, *parts[0]).sums, state, params)
+    else:
+        for batch, mask in parts:
+            updates, state = step(params, state, batch, mask)
+        assert np.all(np.isfinite(updates["w"]))
+        assert [type(e) for e in agg.ledger.events] == [SamplingEvent, SumQueryEvent]
 
 
 def test_a_compiled_step_under_a_budget_releases_a_sample_once():
