@@ -3,7 +3,8 @@ pass yields per-example squared norms (B, L) and clipped sums for every trainabl
 
 Every trainable parameter (a *leaf*, named as in ``module.named_parameters()``) is owned by a
 *unit*: a layer with a rule (:mod:`dpcore_torch.layers`: Linear, Conv1d/2d, Embedding, LayerNorm,
-GroupNorm; :mod:`dpcore_torch.recurrent`: RNN, GRU, LSTM) or a fallback module
+GroupNorm; :mod:`dpcore_torch.recurrent`: RNN, GRU, LSTM; :mod:`dpcore_torch.attention`:
+MultiheadAttention) or a fallback module
 (:mod:`dpcore_torch.fallback`, ``torch.func``). A leaf used once
 takes its rule's cheapest norm (ghost or materialised) and book-keeping sum; a leaf used several
 times in a step (tied weights, a layer called twice) has its per-example gradient formed as the
@@ -21,6 +22,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
+from .attention import ATTENTION_RULES
 from .fallback import FallbackUnit, recording
 from .instrumentation import forget, instrumentation
 from .layers import (PREFERENCES, RULES, AccumulationError, NotPerExampleError, Rule,
@@ -169,8 +171,11 @@ class PerExampleEngine:
 
     # ------------------------------------------------------------------ instrumentation
     def _walk(self, module: nn.Module, prefix: str) -> None:
-        own = {k: p for k, p in module.named_parameters(recurse=False) if p.requires_grad}
-        rule = RULES.get(type(module)) or RECURRENT_RULES.get(type(module))
+        rule = (RULES.get(type(module)) or RECURRENT_RULES.get(type(module))
+                or ATTENTION_RULES.get(type(module)))
+        # a rule with ``subtree`` (attention) also forms its children's parameters
+        own = {k: p for k, p in module.named_parameters(recurse=rule is not None and rule.subtree)
+               if p.requires_grad}
         if rule is not None and own and rule.knows(module, own):
             for attr in own:
                 rule.check(module, prefix.rstrip(".") or "<root>")
@@ -179,7 +184,8 @@ class PerExampleEngine:
             return
         if own and type(module).__module__.startswith("torch."):
             # a built-in layer without a rule may use its children's parameters functionally
-            # (nn.MultiheadAttention and out_proj): one unit for the whole subtree
+            # (nn.MultiheadAttention with add_bias_kv, and its out_proj): one unit for the
+            # whole subtree
             self._add_fallback(module, recurse=True, prefix=prefix)
             return
         if own:

@@ -336,6 +336,8 @@ class Rule:
     ``sq_norm`` and ``add_weighted_sum`` (``out += sum_i c_i grad_i``) default to materialising
     it (cached in the Use) and are overridden where a cheaper identity exists."""
 
+    subtree = False  # whether the rule forms the parameters of the layer's children too
+
     def check(self, module: nn.Module, name: str) -> None:
         """Raise if ``module``'s configuration makes per-example gradients undefined."""
 

@@ -17,8 +17,9 @@ BF16_TOL = 2e-2  # bfloat16 keeps 8 significant bits (relative rounding 2^-9); m
 
 
 class EveryRule(nn.Module):
-    """Embedding, Conv1d, GroupNorm, LayerNorm, LSTM, MultiheadAttention (the torch.func
-    fallback) and Linear, and a GRU beside them on the embedding."""
+    """Embedding, Conv1d, GroupNorm, LayerNorm, LSTM, MultiheadAttention (its rule, and with
+    a zero attention appended the torch.func fallback) and Linear, and a GRU beside them on
+    the embedding."""
 
     def __init__(self):
         super().__init__()
@@ -26,6 +27,7 @@ class EveryRule(nn.Module):
         self.gn, self.ln = nn.GroupNorm(2, 8), nn.LayerNorm(8)
         self.lstm, self.gru = nn.LSTM(8, 8, batch_first=True), nn.GRU(8, 8, batch_first=True)
         self.att = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.att_zero = nn.MultiheadAttention(8, 2, batch_first=True, add_zero_attn=True)
         self.fc = nn.Linear(8, 3)
 
     def forward(self, k):
@@ -33,6 +35,7 @@ class EveryRule(nn.Module):
         h = self.gn(self.conv(e.transpose(1, 2))).transpose(1, 2)
         h = self.lstm(self.ln(h))[0]
         h = h + self.att(h, h, h, need_weights=False)[0]
+        h = h + self.att_zero(h, h, h, need_weights=False)[0]
         return self.fc(h.mean(1) + self.gru(e)[0].mean(1))
 
 

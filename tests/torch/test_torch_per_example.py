@@ -129,14 +129,15 @@ class Grid(nn.Module):
 
 
 class Mixed(nn.Module):
-    """A layer without a rule (MultiheadAttention), direct parameters of a custom module (a
+    """A layer without a rule (MultiheadAttention with extra key and value biases), direct
+    parameters of a custom module (a
     vector and a scalar), a layer called twice, a frozen and an unused parameter, an in-place
     op on a layer's output (one whose input needs a gradient)."""
 
     def __init__(self):
         super().__init__()
         self.inp = nn.Linear(5, 8)
-        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True, add_bias_kv=True)
         self.gate = nn.Parameter(torch.linspace(0.5, 1.5, 8))
         self.temperature = nn.Parameter(torch.tensor(0.8))
         self.frozen = nn.Linear(8, 8)
@@ -448,25 +449,34 @@ def test_activation_checkpointing_matches_the_oracle(reentrant):
 
 
 class Padded(nn.Module):
-    """Token sequences with padding (token 0) through a TransformerEncoderLayer (a fallback unit)
-    given the padding mask by keyword, as PyTorch's layers pass it on to MultiheadAttention."""
+    """Token sequences with padding (token 0), the padding mask given by keyword: to a
+    TransformerEncoderLayer (its attention has a rule), or to a MultiheadAttention with extra
+    key and value biases (a fallback unit, which splits the mask per example)."""
 
-    def __init__(self):
+    def __init__(self, fallback):
         super().__init__()
+        self.fallback = fallback
         self.emb = nn.Embedding(11, 8, padding_idx=0)
-        self.block = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        if fallback:
+            self.block = nn.MultiheadAttention(8, 2, batch_first=True, add_bias_kv=True)
+        else:
+            self.block = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
         self.fc = nn.Linear(8, 3)
 
     def forward(self, k):
-        pad = k == 0
-        h = self.block(self.emb(k), src_key_padding_mask=pad)
+        pad, h = k == 0, self.emb(k)
+        if self.fallback:
+            h = self.block(h, h, h, key_padding_mask=pad, need_weights=False)[0]
+        else:
+            h = self.block(h, src_key_padding_mask=pad)
         return self.fc(h.masked_fill(pad[..., None], 0).sum(1))
 
 
-def test_padding_masks_passed_by_keyword_are_split_per_example():
+@pytest.mark.parametrize("fallback", [False, True])
+def test_padding_masks_passed_by_keyword_are_split_per_example(fallback):
     gen = torch.Generator().manual_seed(5)
     torch.manual_seed(5)
-    model = Padded().double()
+    model = Padded(fallback).double()
     x = torch.randint(1, 11, (5, 6), generator=gen)
     x[0, 4:], x[3, 2:] = 0, 0  # padded tails of two lengths
     y = torch.randint(0, 3, (5,), generator=gen)
@@ -542,13 +552,14 @@ def test_group_norm_on_transposed_and_vector_inputs():
 
 
 class InPlaceResidual(nn.Module):
-    """A residual added in place to MultiheadAttention's output, which is a view (a transpose
-    for batch_first): a hook on the view would be rebased away."""
+    """A residual added in place to the output of a fallback MultiheadAttention (extra key and
+    value biases), which is a view (a transpose for batch_first): a hook on the view would be
+    rebased away."""
 
     def __init__(self):
         super().__init__()
         self.emb = nn.Embedding(9, 4)
-        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True, add_bias_kv=True)
         self.out = nn.Linear(4, 3)
 
     def forward(self, k):
