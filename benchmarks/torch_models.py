@@ -12,7 +12,11 @@ support per example (Conv2d, Linear, Embedding, LayerNorm), so every mode runs t
     runs it with its ``DPLSTM`` (the same parameters; ``ModuleValidator.fix`` swaps it in);
 (e) a CIFAR-10-sized CNN of 3x3 convolutions (not in issue 4): conv 3->32, conv 32->32,
     max-pool 2, conv 32->64, max-pool 2, fc 4096->10 (ReLU, padding 1), batch 64 of 32x32
-    random RGB images.
+    random RGB images;
+(f) the transformer (c) as PyTorch users write it (not in issue 4): the same embeddings and
+    sizes, 2 ``nn.TransformerEncoderLayer`` (post-norm, ReLU, dropout 0.1) in an
+    ``nn.TransformerEncoder``. Opacus runs it with its ``DPMultiheadAttention``
+    (``ModuleValidator.fix`` swaps it in).
 """
 
 from __future__ import annotations
@@ -71,6 +75,19 @@ class Encoder(nn.Module):
         return self.head(self.norm(h).mean(1))
 
 
+class TorchEncoder(nn.Module):
+    def __init__(self, vocab=10_000, d=128, layers=2, heads=4, ff=512, seq=64, classes=2):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        layer = nn.TransformerEncoderLayer(d, heads, ff, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, k):
+        pos = torch.arange(k.shape[1], device=k.device).repeat(k.shape[0], 1)
+        return self.head(self.encoder(self.tokens(k) + self.positions(pos)).mean(1))
+
+
 class LSTMClassifier(nn.Module):
     def __init__(self, vocab=2_000, d=64, hidden=128, classes=2):
         super().__init__()
@@ -91,7 +108,8 @@ def cifar_cnn() -> nn.Module:
 
 
 def workload(name: str, seed: int = 0):
-    """(model, inputs, targets) of one of "cnn", "mlp", "transformer", "lstm", "cifar"."""
+    """(model, inputs, targets) of one of "cnn", "mlp", "transformer", "encoder", "lstm",
+    "cifar"."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     if name == "cnn":
@@ -103,10 +121,14 @@ def workload(name: str, seed: int = 0):
     if name == "transformer":
         return Encoder(), torch.randint(0, 10_000, (32, 64), generator=gen), \
             torch.randint(0, 2, (32,), generator=gen)
+    if name == "encoder":
+        return TorchEncoder(), torch.randint(0, 10_000, (32, 64), generator=gen), \
+            torch.randint(0, 2, (32,), generator=gen)
     if name == "lstm":
         return LSTMClassifier(), torch.randint(0, 2_000, (64, 32), generator=gen), \
             torch.randint(0, 2, (64,), generator=gen)
     if name == "cifar":
         return cifar_cnn(), torch.randn(64, 3, 32, 32, generator=gen), \
             torch.randint(0, 10, (64,), generator=gen)
-    raise ValueError(f"workload must be cnn, mlp, transformer, lstm or cifar, got {name!r}")
+    raise ValueError(f"workload must be cnn, mlp, transformer, encoder, lstm or cifar, got "
+                     f"{name!r}")

@@ -5,6 +5,8 @@ Opacus (hooks, ghost, functorch), on the workloads of :mod:`torch_models`.
     python benchmarks/torch_step.py --workloads mlp --seconds 20
     python benchmarks/torch_step.py --workloads lstm --modes non-private dpcore opacus-hooks \
         opacus-ghost opacus-functorch              # dpcore-vmap cannot vmap a fused LSTM
+    python benchmarks/torch_step.py --workloads encoder --modes non-private dpcore \
+        opacus-hooks opacus-ghost opacus-functorch  # nor dropout inside attention
 
 A *step* is zero_grad, forward, cross-entropy (mean), backward and optimizer.step (SGD) on a
 fixed batch, so every mode does the same work (the DP modes: flat clipping at 1.0, noise
@@ -51,7 +53,7 @@ from torch_models import workload  # noqa: E402
 
 MODES = ("non-private", "dpcore", "dpcore-vmap", "opacus-hooks", "opacus-ghost",
          "opacus-functorch")
-WORKLOADS = ("cnn", "mlp", "transformer")  # issue 4's; "lstm" and "cifar" on request
+WORKLOADS = ("cnn", "mlp", "transformer")  # issue 4's; "encoder", "lstm", "cifar" on request
 
 
 def build(name: str, mode: str):
@@ -71,7 +73,7 @@ def build(name: str, mode: str):
         from opacus import PrivacyEngine
 
         warnings.filterwarnings("ignore")
-        if name == "lstm":  # Opacus trains its own DPLSTM in place of nn.LSTM
+        if name in ("lstm", "encoder"):  # Opacus's DPLSTM, DPMultiheadAttention swapped in
             from opacus.validators import ModuleValidator
 
             model = ModuleValidator.fix(model)
@@ -162,7 +164,7 @@ def memory_in_subprocess(name: str, mode: str) -> int | None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS),
-                        choices=WORKLOADS + ("lstm", "cifar"))
+                        choices=WORKLOADS + ("encoder", "lstm", "cifar"))
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--seconds", type=float, default=60.0,
                         help="time each workload's modes for about this long (default 60)")
