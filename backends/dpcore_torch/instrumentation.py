@@ -31,11 +31,14 @@ class Instrumentation:
         self.replaced: dict[str, object] = {}
         self.hooks: list = []
 
-    def plain_state(self, module: nn.Module) -> dict:
-        """``module.__dict__`` as it would be without dpcore."""
-        state = {k: v for k, v in module.__dict__.items()
-                 if k not in self.added and k not in _OURS}
-        state.update(self.replaced)
+    def plain_state(self, module: nn.Module):
+        """The state the module's class gives (its ``__dict__``, unless the class defines
+        ``__getstate__``) as it would be without dpcore."""
+        state = type(module).__getstate__(module)
+        if not isinstance(state, dict):  # a class's own form of state: left as it is
+            return state
+        state = {k: v for k, v in state.items() if k not in self.added and k not in _OURS}
+        state.update({k: v for k, v in self.replaced.items() if k in state})
         dropped: dict[int, set] = {}  # id of a hook dictionary -> ids of our hooks in it
         for handle in self.hooks:
             for ref in (handle.hooks_dict_ref, *handle.extra_dict_ref):

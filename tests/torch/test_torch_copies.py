@@ -5,6 +5,7 @@ the original."""
 import copy
 import io
 import pickle
+import threading
 
 import pytest
 
@@ -96,3 +97,34 @@ def test_a_detached_model_copies_as_before():
         assert "__getstate__" not in sub.__dict__
     twin = copy.deepcopy(model)
     assert torch.equal(twin[0].weight, model[0].weight)
+
+
+class Locked(nn.Module):
+    """A model whose class defines the pickle protocol (drops a lock, makes a new one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.lock = threading.Lock()
+
+    def forward(self, x):
+        return self.fc(x)
+
+    def __getstate__(self):
+        state = dict(super().__getstate__())
+        state.pop("lock")
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.lock = threading.Lock()
+
+
+@pytest.mark.parametrize("how", [through_deepcopy, through_pickle, through_torch_save])
+def test_a_class_with_its_own_getstate_is_copied_through_it(how):
+    model = Locked()
+    PerExampleEngine(model)
+    twin = how(model)
+    assert isinstance(twin.lock, type(threading.Lock())) and twin.lock is not model.lock
+    assert "forward" not in twin.fc.__dict__
+    assert torch.equal(twin.fc.weight, model.fc.weight)
