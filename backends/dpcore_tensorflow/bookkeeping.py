@@ -169,8 +169,10 @@ class ClippedGradients:
         unfed = _unfed(self.plan, recorder, x, losses)
         taps = [(key, z) for key, saves in recorder.saved.items() if key not in unfed
                 for _, z in saves]
-        tapped = [v for key in recorder.reads for v, _ in recorder.reads[key] if v.trainable]
-        tapped = list({v.path: v for v in tapped}.values())
+        # every tapped layer's variables, called or not (a layer never called may still have
+        # its variable used directly)
+        tapped = list({v.path: v for layer, tap in self.plan.values()
+                       for v in tap.variables(layer)}.values())
         grads = tape.gradient(total, [z for _, z in taps] + tapped)
         by_layer: dict[int, list] = {}
         for (key, z), g in zip(taps, grads):

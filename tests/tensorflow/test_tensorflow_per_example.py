@@ -88,8 +88,9 @@ def oracle(model, x, y, loss_fn):
     for i in range(x.shape[0]):
         with tf.GradientTape() as tape:
             loss = loss_fn(tf.constant(y[i:i + 1]), model(tf.constant(x[i:i + 1]), training=True))[0]
-        rows.append([tf.convert_to_tensor(g).numpy()
-                     for g in tape.gradient(loss, model.trainable_variables)])
+        grads = tape.gradient(loss, model.trainable_variables)
+        rows.append([np.zeros(v.shape) if g is None else tf.convert_to_tensor(g).numpy()
+                     for v, g in zip(model.trainable_variables, grads)])
     return {v.path: np.stack([r[j] for r in rows]) for j, v in enumerate(model.trainable_variables)}
 
 
@@ -186,6 +187,39 @@ def test_a_tapped_variable_used_outside_its_layer_keeps_that_use(mode, graph):
         got = grads(tf.constant(ids), tf.constant(y))
     expected = oracle(model, ids, y, sparse_ce)
     assert set(got) == set(expected)
+    for name in expected:
+        np.testing.assert_allclose(got[name].numpy(), expected[name], rtol=1e-9, atol=1e-12,
+                                   err_msg=name)
+
+
+class UncalledHead(keras.Model):
+    """A Dense layer never called, its kernel used directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = f64(L.Dense, 4, activation="tanh")
+        self.head = f64(L.Dense, 3)
+
+    def build(self, shape):
+        self.body.build(shape)
+        self.head.build((None, 4))
+
+    def call(self, x):
+        return keras.ops.matmul(self.body(x), self.head.kernel)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_the_variable_of_a_layer_never_called_keeps_its_direct_use(graph):
+    rng = np.random.default_rng(6)
+    x, y = rng.normal(size=(B, 3)), rng.normal(size=(B, 3))
+    keras.utils.set_random_seed(5)
+    model = UncalledHead()
+    model(x[:1])
+    engine = ClippedGradients(model)
+    grads = lambda x, y: engine.per_example_grads(x, y, mse)  # noqa: E731
+    with pytest.warns(FallbackWarning, match="used outside their layer's call"):
+        got = (tf.function(grads) if graph else grads)(tf.constant(x), tf.constant(y))
+    expected = oracle(model, x, y, mse)
     for name in expected:
         np.testing.assert_allclose(got[name].numpy(), expected[name], rtol=1e-9, atol=1e-12,
                                    err_msg=name)
