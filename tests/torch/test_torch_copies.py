@@ -128,3 +128,34 @@ def test_a_class_with_its_own_getstate_is_copied_through_it(how):
     assert isinstance(twin.lock, type(threading.Lock())) and twin.lock is not model.lock
     assert "forward" not in twin.fc.__dict__
     assert torch.equal(twin.fc.weight, model.fc.weight)
+
+
+class Recurrent(nn.Module):
+    """An LSTM (whose class drops its weak references from the state) and a fallback module
+    compiled with ``module.compile()`` (whose compiled call nn.Module drops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(4, 6, batch_first=True)
+        self.gated = Gated(6)
+        self.gated.compile(backend="eager")
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.gated(self.lstm(x)[0][:, -1]))
+
+
+@pytest.mark.parametrize("how", [through_deepcopy, through_pickle, through_torch_save])
+def test_a_recurrent_and_a_compiled_module_copy_as_plain_modules(how):
+    torch.manual_seed(0)
+    model = Recurrent()
+    engine = PerExampleEngine(model)
+    x = torch.randn(5, 7, 4, generator=torch.Generator().manual_seed(2))
+    model(x)
+    twin = how(model)
+    assert "_compiled_call_impl" not in twin.gated.__dict__
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+    assert torch.equal(twin(x), torch.zeros(5, 3))  # the copy's weights, not the original's
+    assert len(engine.units[1].calls) == 1  # the copy recorded nothing in the original
