@@ -198,10 +198,9 @@ class PrivateAggregator:
                 f"mechanism, e.g. for metrics), or begin a new step (sample() or begin_step())")
 
     @property
-    def steps_since_release(self) -> int:
-        """Steps begun since the last release (or since the start): 1 when the current step is
-        the only one not released yet."""
-        return self._step - self._last_release
+    def step(self) -> int:
+        """The index of the current step (the last one begun; -1 before the first)."""
+        return self._step
 
     def _count_sums(self, factors, mask) -> dict:
         """Adaptive clipping's centred counts of the unclipped records ({} without it)."""

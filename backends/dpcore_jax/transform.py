@@ -16,7 +16,12 @@ With gradient accumulation a logical batch (one Poisson sample, one sampling eve
 processed in k parts: :func:`private_optimizer` *adds* the k parts' clipped sums and, under a
 ``lax.cond``, adds the noise, writes the events and runs the wrapped optimizer only on the
 k-th call, so all three happen once per logical batch. (``optax.MultiSteps`` would not do:
-it evaluates the wrapped update on every call, which would write the events k times.)
+it evaluates the wrapped update on every call, which would write the events k times.) Each
+call also reads, by another ordered callback, the aggregator's current step: the parts held
+all belong to one step, and a part of a later step while parts of an earlier one are held
+(``accumulation_steps`` other than the ``splits`` of :class:`~dpcore_jax.PoissonBatches`, a
+sample left part-way) raises before anything is added, except after a refused release, whose
+parts are then dropped.
 """
 
 from __future__ import annotations
@@ -43,9 +48,10 @@ class PrivateAggregateState(NamedTuple):
 
 class PrivateOptimizerState(NamedTuple):
     key: jax.Array
-    sums: object          # clipped sums of the logical batch so far
-    count: jax.Array      # parts seen so far
+    sums: object          # clipped sums of the parts held (of one sample)
+    count: jax.Array      # parts held
     nonfinite: jax.Array  # records with a non-finite norm in them
+    step: jax.Array       # the aggregator's step the parts held belong to (-1: none)
     inner: object         # the wrapped optimizer's state
 
 
@@ -63,36 +69,57 @@ def _clipped(updates, aggregator):
     return updates, jnp.zeros((), jnp.int32)
 
 
-def _release_fn(aggregator, parts: int = 1):
-    """``(sums, nonfinite, key) -> (key, private mean)``, writing the sum-query events from
-    the compiled program before the mean can exist. Under ``on_nonfinite="raise"`` a
-    release with ``nonfinite`` > 0 fails instead. A release that adds the clipped sums of
-    ``parts`` > 1 calls must find exactly one step begun since the last release: with two,
-    it would sum two samples (a record in both counts twice) under one step's events."""
+class _Ledger:
+    """The host side of a transformation: the release's events and, under accumulation, the
+    step each part belongs to. Parts held of one step and a part of a later one would add up
+    two samples (a record in both counts twice) under one step's events: refused, unless
+    the held parts' release was refused (they are then dropped, as never released)."""
+
+    def __init__(self, aggregator, parts: int):
+        self.aggregator, self.parts, self.refused = aggregator, parts, set()
+
+    def stamp(self, held, count):
+        """``[current step, 1 if the parts held are dropped else 0]`` for a new part."""
+        now, held, count = self.aggregator.step, int(held), int(count)
+        if now < 0:
+            raise RuntimeError("no sample to release from: begin a step first "
+                               "(PoissonBatches.next(), or aggregator.sample())")
+        drop = bool(count) and held != now
+        if drop and held not in self.refused:
+            raise RuntimeError(
+                f"the optimizer holds the clipped sums of {count} part(s) of step {held}, and a "
+                f"part of step {now} arrived: its release would add up two samples. Give "
+                f"PoissonBatches splits={self.parts} (accumulation_steps), run every part of "
+                f"each sample, or call init again to drop the parts held; nothing was released")
+        return np.array([now, int(drop)], np.int32)
+
+    def record(self, nonfinite, step):
+        """Write the step's events (after its checks); on refusal, remember the step."""
+        try:
+            if self.aggregator.on_nonfinite == "raise" and int(nonfinite):
+                raise NonFiniteNormError(
+                    f"{int(nonfinite)} record(s) of this sample have a NaN or infinite gradient "
+                    f"norm; nothing was released. Fix the model or loss, or create the "
+                    f"aggregator with on_nonfinite='drop' to give such records weight 0")
+            self.aggregator.record_release()
+        except Exception:
+            self.refused.add(int(step))
+            raise
+        return np.zeros((), np.float32)
+
+
+def _release_fn(aggregator, ledger: _Ledger):
+    """``(sums, nonfinite, step, key) -> (key, private mean)``, writing the sum-query events
+    from the compiled program before the mean can exist; under ``on_nonfinite="raise"`` a
+    release with ``nonfinite`` > 0 fails instead."""
     check_aggregator(aggregator)
     mechanism = aggregator.mechanism
     expected_size = aggregator.expected_size
 
-    def record(nonfinite):
-        if aggregator.on_nonfinite == "raise" and int(nonfinite):
-            raise NonFiniteNormError(
-                f"{int(nonfinite)} record(s) of this sample have a NaN or infinite gradient "
-                f"norm; nothing was released. Fix the model or loss, or create the aggregator "
-                f"with on_nonfinite='drop' to give such records weight 0")
-        begun = aggregator.steps_since_release
-        if parts > 1 and begun != 1:
-            raise RuntimeError(
-                f"this release adds the clipped sums of accumulation_steps={parts} calls, but "
-                f"{begun} steps (Poisson samples) were begun since the last release: the "
-                f"calls must be the parts of one sample. Give PoissonBatches splits="
-                f"{parts}, and run every part of each sample; nothing was released")
-        aggregator.record_release()
-        return np.zeros((), np.float32)
-
-    def release(sums, nonfinite, key):
+    def release(sums, nonfinite, step, key):
         key, mean = noisy_mean(sums, mechanism, key, expected_size)
-        written = io_callback(record, jax.ShapeDtypeStruct((), jnp.float32), nonfinite,
-                              ordered=True)
+        written = io_callback(ledger.record, jax.ShapeDtypeStruct((), jnp.float32), nonfinite,
+                              step, ordered=True)
         return key, jax.tree_util.tree_map(lambda x: x + written.astype(x.dtype), mean)
 
     return release
@@ -111,7 +138,7 @@ def _split_key(aggregator):
 
 def private_aggregate(aggregator) -> optax.GradientTransformation:
     """Noise and division by q n of clipped sums, with the ledger written in the program."""
-    release = _release_fn(aggregator)
+    release = _release_fn(aggregator, _Ledger(aggregator, 1))
 
     def init(params):
         del params
@@ -119,7 +146,8 @@ def private_aggregate(aggregator) -> optax.GradientTransformation:
 
     def update(updates, state, params=None):
         del params
-        key, mean = release(*_clipped(updates, aggregator), state.key)
+        sums, nonfinite = _clipped(updates, aggregator)
+        key, mean = release(sums, nonfinite, jnp.int32(-1), state.key)
         return mean, PrivateAggregateState(key)
 
     return optax.GradientTransformation(init, update)
@@ -134,29 +162,35 @@ def private_optimizer(optimizer: optax.GradientTransformation, aggregator, *,
     k = check.count("accumulation_steps", accumulation_steps, minimum=1)
     if k == 1:
         return optax.chain(private_aggregate(aggregator), optimizer)
-    release = _release_fn(aggregator, parts=k)
+    ledger = _Ledger(aggregator, k)
+    release = _release_fn(aggregator, ledger)
 
     def init(params):
         zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
         none = jnp.zeros((), jnp.int32)
-        return PrivateOptimizerState(_split_key(aggregator), zeros, none, none,
+        return PrivateOptimizerState(_split_key(aggregator), zeros, none, none, none - 1,
                                      optimizer.init(params))
 
     def update(updates, state, params=None):
         part, part_nonfinite = _clipped(updates, aggregator)
-        sums = jax.tree_util.tree_map(jnp.add, state.sums, part)
-        count, nonfinite = state.count + 1, state.nonfinite + part_nonfinite
+        stamp = io_callback(ledger.stamp, jax.ShapeDtypeStruct((2,), jnp.int32), state.step,
+                            state.count, ordered=True)
+        step, drop = stamp[0], stamp[1] > 0  # drop: parts of a refused release
+        sums = jax.tree_util.tree_map(lambda s, p: jnp.where(drop, p, s + p), state.sums, part)
+        count = jnp.where(drop, 1, state.count + 1)
+        nonfinite = jnp.where(drop, 0, state.nonfinite) + part_nonfinite
 
         def emit():
-            key, mean = release(sums, nonfinite, state.key)
+            key, mean = release(sums, nonfinite, step, state.key)
             out, inner = optimizer.update(mean, state.inner, params)
             zeros = jax.tree_util.tree_map(jnp.zeros_like, sums)
             none = jnp.zeros((), jnp.int32)
-            return out, PrivateOptimizerState(key, zeros, none, none, inner)
+            return out, PrivateOptimizerState(key, zeros, none, none, none - 1, inner)
 
         def hold():
             out = jax.tree_util.tree_map(jnp.zeros_like, part)
-            return out, PrivateOptimizerState(state.key, sums, count, nonfinite, state.inner)
+            return out, PrivateOptimizerState(state.key, sums, count, nonfinite, step,
+                                              state.inner)
 
         return jax.lax.cond(count == k, emit, hold)
 
