@@ -6,9 +6,10 @@ model a marker. ``copy.deepcopy``, ``pickle`` and ``torch.save`` copy a module's
 so a copy would carry them bound to the *original*: a copy's layers would run the original's
 weights, its fallback modules record into the original's engine, and closures would not
 pickle. So every instrumented module has an instance ``__getstate__`` (which ``copy`` and
-``pickle`` look up on the instance) that returns its ``__dict__`` without them: a copy, a
-pickle or a ``torch.save`` of the model is the plain model with the weights of the moment (an
-EMA copy, a snapshot, a checkpoint), and can be made private on its own.
+``pickle`` look up on the instance) that returns the state its class gives (nn.Module's drops
+a compiled call, an RNN's its weak references, a user's class what it chooses) without
+them: a copy, a pickle or a ``torch.save`` of the model is the plain model with the weights
+of the moment (an EMA copy, a snapshot, a checkpoint), and can be made private on its own.
 """
 
 from __future__ import annotations
