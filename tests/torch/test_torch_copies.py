@@ -15,16 +15,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from dpcore_torch import PerExampleEngine  # noqa: E402
 
-
-class Gated(nn.Module):
-    """A module without a layer rule (a fallback unit)."""
-
-    def __init__(self, d):
-        super().__init__()
-        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, d))
-
-    def forward(self, x):
-        return torch.tanh(x * self.gate)
+from test_torch_per_example import Gated  # noqa: E402  (a module without a layer rule)
 
 
 def build():
