@@ -175,7 +175,7 @@ class FallbackUnit:
             record.added.add("_call_impl")
         else:
             module._compiled_call_impl = self._call
-            record.replaced["_compiled_call_impl"] = self._compiled
+            record.added.add("_compiled_call_impl")  # a copy is not compiled (as nn.Module's)
 
     def remove(self) -> None:
         self._removed = True

@@ -150,3 +150,16 @@ def test_a_recurrent_and_a_compiled_module_copy_as_plain_modules(how):
             p.zero_()
     assert torch.equal(twin(x), torch.zeros(5, 3))  # the copy's weights, not the original's
     assert len(engine.units[1].calls) == 1  # the copy recorded nothing in the original
+
+
+def test_a_parametrized_layer_copies_as_a_plain_layer():
+    """A parametrized layer's class copies its __dict__ itself (its own __deepcopy__)."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Linear(4, 2))
+    PerExampleEngine(model)
+    twin = copy.deepcopy(model)
+    assert not any(k in twin[0].__dict__ for k in ("_call_impl", "__getstate__", "__deepcopy__"))
+    twin(torch.randn(3, 4)).sum().backward()
+    assert all(p.grad is not None for p in twin.parameters())
