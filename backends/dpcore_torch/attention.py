@@ -36,8 +36,8 @@ _ALL = slice(None)
 
 
 class _Map:
-    """One Linear map of a call: its Use, and the (parameter key, rows) of its weight and of
-    its bias (None without one)."""
+    """One Linear map of a call: its Use, and the (parameter, rows) of its weight and of its
+    bias (None without one)."""
 
     __slots__ = ("use", "weight", "bias")
 
@@ -54,15 +54,12 @@ class AttentionCall:
         self.maps: list[_Map] = []
         self.batch, self.born, self.cache = batch, birth(), {}
 
-    def pieces(self, key: str):
+    def pieces(self, parameter) -> list:
         """(``"weight"`` or ``"bias"``, rows, Use) of every map the backward pass reached
-        that uses parameter ``key`` (a map not reached contributes zero)."""
-        for m in self.maps:
-            if m.use.g is None:
-                continue
-            for kind, at in (("weight", m.weight), ("bias", m.bias)):
-                if at is not None and at[0] == key:
-                    yield kind, at[1], m.use
+        that uses ``parameter`` (a map not reached contributes zero)."""
+        return [(kind, at[1], m.use) for m in self.maps if m.use.g is not None
+                for kind, at in (("weight", m.weight), ("bias", m.bias))
+                if at is not None and at[0] is parameter]
 
     def release(self) -> None:
         for m in self.maps:
@@ -114,9 +111,8 @@ def _in_projection(module, call, inputs):
         w_rows = slice(lo, hi) if packed else _ALL
         bias, bias_at = module.in_proj_bias, None
         if bias is not None:
-            bias, bias_at = bias[lo:hi], ("in_proj_bias", slice(lo, hi))
-        y = _project(call, inputs[run[0]], weight[w_rows], (names[run[0]], w_rows), bias,
-                     bias_at)
+            bias, bias_at = bias[lo:hi], (bias, slice(lo, hi))
+        y = _project(call, inputs[run[0]], weight[w_rows], (weight, w_rows), bias, bias_at)
         out += y.split(e, dim=-1)
     return out
 
@@ -178,8 +174,8 @@ def _attend(module, call, query, key, value, key_padding_mask, need_weights, att
         o = F.scaled_dot_product_attention(q, k, v, mask, p, is_causal)
     o = o.transpose(1, 2).reshape(b, t, e)
     out = module.out_proj
-    bias_at = None if out.bias is None else ("out_proj.bias", _ALL)
-    y = _project(call, o, out.weight, ("out_proj.weight", _ALL), out.bias, bias_at)
+    bias_at = None if out.bias is None else (out.bias, _ALL)
+    y = _project(call, o, out.weight, (out.weight, _ALL), out.bias, bias_at)
     # laid out as PyTorch's layer returns it (sequence-major, transposed), so that a dropout
     # drawn on it afterwards (nn.TransformerEncoderLayer's) draws the same mask
     return y.transpose(0, 1).contiguous().transpose(0, 1), weights
@@ -211,21 +207,37 @@ class AttentionRule(Rule):
                        a["need_weights"], a["attn_mask"], a["average_attn_weights"],
                        a["is_causal"])
 
-    def grad(self, module, call, name):
+    @staticmethod
+    def _pieces(module, call, name):
+        """(parameter, its pieces, whether their rows are disjoint). Rows used by two maps
+        (a parameter tied within the layer: ``k_proj_weight = q_proj_weight``) add up
+        their gradients, so their norms do not add."""
         p = module.get_parameter(name)
+        pieces = call.pieces(p)
+        spans = sorted(rows.indices(p.shape[0])[:2] for _, rows, _ in pieces)
+        return p, pieces, all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+    def grad(self, module, call, name):
+        p, pieces, _ = self._pieces(module, call, name)
         out = p.new_zeros((call.batch, *p.shape))
-        for kind, rows, use in call.pieces(name):
+        for kind, rows, use in pieces:
             out[:, rows] += _LINEAR.grad(module, use, kind)
         return out
 
     def sq_norm(self, module, call, name, prefer="memory"):
-        total = module.get_parameter(name).new_zeros(call.batch)
-        for kind, _, use in call.pieces(name):  # blocks of distinct rows: norms add
+        p, pieces, disjoint = self._pieces(module, call, name)
+        if not disjoint:
+            return super().sq_norm(module, call, name, prefer)
+        total = p.new_zeros(call.batch)
+        for kind, _, use in pieces:  # blocks of distinct rows: norms add
             total = total + _LINEAR.sq_norm(module, use, kind, prefer)
         return total
 
     def add_weighted_sum(self, module, call, name, c, out) -> None:
-        for kind, rows, use in call.pieces(name):
+        _, pieces, disjoint = self._pieces(module, call, name)
+        if not disjoint:
+            return super().add_weighted_sum(module, call, name, c, out)
+        for kind, rows, use in pieces:
             _LINEAR.add_weighted_sum(module, use, kind, c, out[rows])
 
 

@@ -159,3 +159,33 @@ def test_dropout_in_training_mode(need_weights):
 def test_extra_key_and_value_biases_take_the_fallback():
     model = nn.Sequential(nn.MultiheadAttention(E, H, batch_first=True, add_bias_kv=True))
     assert "MultiheadAttention(vmap)" in repr(PerExampleEngine(model))
+
+
+def test_a_projection_tied_within_the_layer_adds_its_uses():
+    """Shared query and key projections (k_proj_weight = q_proj_weight): the two maps use the
+    same rows, so their gradients add before the norm is taken."""
+    gen = torch.Generator().manual_seed(7)
+    torch.manual_seed(7)
+    attn = nn.MultiheadAttention(E, H, batch_first=True, kdim=E, vdim=6).double()
+    attn.k_proj_weight = attn.q_proj_weight
+    plain = copy.deepcopy(attn)
+    x = torch.randn(4, T, E, generator=gen, dtype=torch.float64)
+    v = torch.randn(4, T, 6, generator=gen, dtype=torch.float64)
+    expected = {n: [] for n, _ in plain.named_parameters()}
+    for i in range(4):
+        plain.zero_grad()
+        plain(x[i:i + 1], x[i:i + 1], v[i:i + 1])[0].pow(2).sum().backward()
+        for n, p in plain.named_parameters():
+            expected[n].append(p.grad.clone())
+    engine = PerExampleEngine(attn, loss_reduction="sum")
+    attn(x, x, v)[0].pow(2).sum().backward()
+    got, norms = engine.per_example_grads(), engine.sq_norms(list(expected))
+    c = torch.rand(4, 1, generator=gen, dtype=torch.float64)
+    sums = engine.clipped_sums(c, dict.fromkeys(expected, 0))
+    for j, (n, rows) in enumerate(expected.items()):
+        rows = torch.stack(rows)
+        torch.testing.assert_close(got[n], rows, rtol=1e-9, atol=1e-12, msg=n)
+        torch.testing.assert_close(norms[:, j], rows.flatten(1).pow(2).sum(1), rtol=1e-9,
+                                   atol=1e-12, msg=n)
+        torch.testing.assert_close(sums[n], torch.einsum("i,i...->...", c[:, 0], rows),
+                                   rtol=1e-9, atol=1e-12, msg=n)
