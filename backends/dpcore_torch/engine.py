@@ -171,8 +171,11 @@ class PerExampleEngine:
 
     # ------------------------------------------------------------------ instrumentation
     def _walk(self, module: nn.Module, prefix: str) -> None:
-        rule = (RULES.get(type(module)) or RECURRENT_RULES.get(type(module))
-                or ATTENTION_RULES.get(type(module)))
+        # a forward set on the instance (a user's or a library's patch) is not the layer's
+        # own: the module takes the fallback, which runs whatever forward it has
+        rule = None if "forward" in module.__dict__ else (
+            RULES.get(type(module)) or RECURRENT_RULES.get(type(module))
+            or ATTENTION_RULES.get(type(module)))
         # a rule with ``subtree`` (attention) also forms its children's parameters
         own = {k: p for k, p in module.named_parameters(recurse=rule is not None and rule.subtree)
                if p.requires_grad}

@@ -874,6 +874,29 @@ def test_hooks_registered_on_a_fallback_module_after_the_engine_match_the_oracle
         assert close(got[n], expected[n]), n
 
 
+def test_a_forward_patched_on_the_instance_is_kept():
+    """A Linear whose forward was set on the instance (as hooks of other libraries do): the
+    layer's rule would bypass the patch, so the layer takes the fallback, which runs it."""
+    import types
+
+    gen = torch.Generator().manual_seed(14)
+    torch.manual_seed(14)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    model[0].forward = types.MethodType(lambda self, x: 2 * nn.Linear.forward(self, x) + 1,
+                                        model[0])
+    x = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,), generator=gen)
+    before = model(x)
+    expected = oracle(copy.deepcopy(model), x, y)
+    engine = run_engine(model, x, y, "sum")
+    assert "Linear(vmap)" in repr(engine)
+    got = engine.per_example_grads()
+    for n in expected:
+        assert close(got[n], expected[n]), n
+    engine.detach()
+    torch.testing.assert_close(model(x), before)
+
+
 def test_an_interrupted_fallback_forward_leaves_the_parameters_in_place():
     """The parameters are put back in a finally: a KeyboardInterrupt (not an Exception, so
     no forward hook runs) must not leave the model holding non-leaf tensors."""
