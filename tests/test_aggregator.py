@@ -74,20 +74,24 @@ def test_ledger_gets_one_sampling_event_then_one_query_per_group_each_step():
     assert agg.ledger.steps()[0].noise_multiplier == pytest.approx(MECHANISM.noise_multiplier)
 
 
-@pytest.mark.parametrize("route", ["sums", "noise draws"])
+@pytest.mark.parametrize("route", ["sums", "noise draws", "events only"])
 def test_a_second_release_of_one_step_under_a_budget_is_refused(route):
     """The budget prices a step as one release: a second query of the same sample would not
     be stopped (a target of 2 ended at 3.76). Without a budget it is one more sum query of
-    the step."""
+    the step. "events only": record_release, which compiled steps that draw their own noise
+    call."""
     from dpcore.budget import PrivacyBudget
 
     like = {leaf: np.zeros(shape) for leaf, shape in SHAPES.items()}
     for budget in (None, PrivacyBudget(2.0, 1e-5, accountant="rdp")):
         agg = PrivateAggregator(MECHANISM, n=100, q=0.1, seed=3, budget=budget)
+        with pytest.raises(RuntimeError, match="no sample to release from"):
+            agg.record_release()
         agg.sample()
         for attempt in range(2):
-            release = ((lambda: agg.release_sums(like)) if route == "sums"
-                       else (lambda: agg.release_noisy_sums(agg.noise_draws(like))))
+            release = {"sums": lambda: agg.release_sums(like),
+                       "noise draws": lambda: agg.release_noisy_sums(agg.noise_draws(like)),
+                       "events only": agg.record_release}[route]
             if attempt and budget is not None:
                 with pytest.raises(RuntimeError, match="released already"):
                     release()
