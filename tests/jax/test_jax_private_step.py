@@ -311,7 +311,7 @@ def test_the_optax_route_follows_the_nonfinite_policy(policy, k):
         expected = (sums_fn(params, *clean[0]).sums["w"] if k == 1 else
                     sums_fn(params, *clean[0]).sums["w"] + sums_fn(params, *clean[1]).sums["w"])
         noise = -updates["w"] * agg.expected_size - expected  # sgd(1): -(sums + noise) / (q n)
-        assert np.std(noise) == pytest.approx(1.0, rel=0.1)  # the clean parts alone, noised
+        assert np.std(noise) == pytest.approx(1.0, rel=0.03)  # the clean parts alone, noised
         assert [type(e) for e in agg.ledger.events] == [SamplingEvent, SamplingEvent,
                                                         SumQueryEvent]
     else:
