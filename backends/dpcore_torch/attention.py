@@ -1,8 +1,8 @@
 """nn.MultiheadAttention (``batch_first=True``): per-example gradients through its Linear maps.
 
-``torch.func`` cannot replay the layer's dropout (its mask is drawn in the forward pass), and
-nn.TransformerEncoderLayer and nn.TransformerDecoderLayer use it with dropout 0.1 by default.
-The attention rule runs the layer's forward itself, with the formulas of
+The ``torch.func`` fallback would replay the whole layer per example (its dropout with the
+draws of the forward pass, :mod:`dpcore_torch.draws`). The attention rule instead runs the
+layer's forward itself, with the formulas of
 ``F.multi_head_attention_forward``, every parameter entering through a Linear map:
 
     in-projection   q = x_q W_q^T + b_q,  k = x_k W_k^T + b_k,  v = x_v W_v^T + b_v

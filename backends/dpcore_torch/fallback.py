@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import threading
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .draws import Replayer, ReplayMismatchError, recording_draws
 from .instrumentation import instrumentation
 from .layers import birth, cast_to, keep_rows, late_backward, tick
 
@@ -57,20 +58,21 @@ def _replay():
 
 
 class Call:
-    """One call of a fallback module: positional args, keyword args, and the backprops of its
-    floating-point tensor outputs (None until the backward pass reaches them)."""
+    """One call of a fallback module: positional args, keyword args, the random draws made in
+    it (:mod:`dpcore_torch.draws`), and the backprops of its floating-point tensor outputs
+    (None until the backward pass reaches them)."""
 
-    __slots__ = ("args", "kwargs", "g", "cache", "born", "reached_at")
+    __slots__ = ("args", "kwargs", "draws", "g", "cache", "born", "reached_at")
 
-    def __init__(self, args, kwargs, n_outputs):
-        self.args, self.kwargs = args, kwargs
+    def __init__(self, args, kwargs, draws, n_outputs):
+        self.args, self.kwargs, self.draws = args, kwargs, draws
         self.g = [None] * n_outputs
         self.cache = None
         self.born, self.reached_at = birth(), None
 
     def release(self) -> None:
         """Drop the tensors (output hooks may still hold this object)."""
-        self.args, self.kwargs, self.g, self.cache = (), {}, [], None
+        self.args, self.kwargs, self.draws, self.g, self.cache = (), {}, [], [], None
 
     def keep_rows(self, keep) -> None:
         """Zero the rows of the examples where ``keep`` (B,) is False (see
@@ -201,15 +203,20 @@ class FallbackUnit:
                 holder._parameters[attr] = stops[key]
                 swapped.append((holder, attr, p))
         self._depth += 1
+        draws = []
         try:
-            out = plain(*args, **kwargs)
+            if self._depth > 1:  # replayed with the outer call, draws included
+                out = plain(*args, **kwargs)
+            else:
+                with recording_draws(draws):
+                    out = plain(*args, **kwargs)
         finally:
             self._depth -= 1
             for holder, attr, p in swapped:
                 holder._parameters[attr] = p
-        return out if self._depth else self._record(args, kwargs, out)
+        return out if self._depth else self._record(args, kwargs, draws, out)
 
-    def _record(self, args, kwargs, out):
+    def _record(self, args, kwargs, draws, out):
         """Keep the call's inputs (as the caller passed them: the replay runs pre-hooks
         again) and hook its outputs (as every forward hook left them) for their backprops."""
         if not any(_batched(a) for a in args):
@@ -220,7 +227,7 @@ class FallbackUnit:
         leaves, spec = tree_flatten(out)
         floats = [i for i, t in enumerate(leaves) if _is_float(t)]
         call = Call(tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
-                    kwargs, len(floats))
+                    kwargs, draws, len(floats))
         copied = False
         for k, i in enumerate(floats):
             t = leaves[i]
@@ -263,14 +270,17 @@ class FallbackUnit:
                 f"input (batch_first=True)")
         module, args, name = self.module, list(call.args), type(self.module).__name__
 
-        def inner(p, tensors, split, backprops):
+        def inner(p, tensors, split, backprops, index):
             full = list(args)
             for i, t in zip(positions, tensors):
                 full[i] = t.unsqueeze(0)
             kwargs = {**call.kwargs, **{k: t.unsqueeze(0) for k, t in zip(keywords, split)}}
-            with _replay():
+            draws = Replayer(call.draws, b, index, name)
+            with _replay(), draws if call.draws else nullcontext():
                 out = _float_tensors(functional_call(module, p, tuple(full), kwargs,
                                                      tie_weights=False))
+            if call.draws:
+                draws.check_done()
             for o, g in zip(out, backprops):
                 if g is not None and o.shape != (1, *g.shape):
                     raise ValueError(
@@ -292,15 +302,19 @@ class FallbackUnit:
         with torch.no_grad(), warnings.catch_warnings():  # the result is data, no graph
             warnings.filterwarnings("ignore", "There is a performance drop")  # expected here
             try:
-                by_slot = vmap(grad(inner), in_dims=(None, 0, 0, dims))(slots, tensors,
-                                                                        split, backprops)
+                by_slot = vmap(grad(inner), in_dims=(None, 0, 0, dims, 0))(
+                    slots, tensors, split, backprops, torch.arange(b, device=tensors[0].device))
+            except ReplayMismatchError:
+                raise
             except RuntimeError as error:
                 raise RuntimeError(
                     f"torch.func could not form per-example gradients of {name} ({error}). "
                     f"dpcore replays a layer it has no rule for one example at a time under "
                     f"torch.func.vmap, which that layer must support: random operations "
-                    f"inside it (dropout: set its probability to 0) and fused kernels (of "
-                    f"RNN, GRU and LSTM, which have a rule in mode='auto') do not") from error
+                    f"other than those dpcore keeps for the replay (dropout, attention "
+                    f"dropout, rand, randn, bernoulli, uniform_, normal_) and fused kernels "
+                    f"(of RNN, GRU and LSTM, which have a rule in mode='auto') do "
+                    f"not") from error
         call.cache = dict.fromkeys(self.names, 0)
         for slot, (_, _, key) in self._slots.items():  # a parameter's slots add up
             call.cache[key] = call.cache[key] + by_slot[slot]

@@ -1,7 +1,7 @@
 """nn.MultiheadAttention through its Linear maps: the layer's outputs as PyTorch computes them,
 per-example gradients against a float64 one-example-at-a-time oracle for every form of call
 (self- and cross-attention, separate key and value sizes, masks, attention weights), and
-dropout in training mode, which the torch.func fallback cannot replay."""
+dropout in training mode."""
 
 import copy
 

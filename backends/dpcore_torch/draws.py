@@ -1,0 +1,321 @@
+"""Random draws in a fallback module's forward pass (dropout, stochastic depth), kept so that
+its per-example replay (:mod:`dpcore_torch.fallback`) uses the same ones.
+
+The replay re-runs a module on one example at a time under ``torch.func.vmap``, where a random
+operation would draw anew (torch.func refuses it), so example i's gradient would not be the
+gradient of the forward pass that was taken. While a fallback unit's call is recorded, a
+``TorchFunctionMode`` performs each random operation itself and keeps its draw:
+
+* dropout (``F.dropout``, ``dropout1d/2d/3d``, ``alpha_dropout``, ``feature_alpha_dropout``
+  and the ``torch.*dropout`` functions they call) draws z ~ Bernoulli(1 - p) as ATen does on
+  the CPU, on a tensor like the input (of shape (N, C, 1, ...) for channel dropout), and
+  returns x z / (1 - p), or for alpha dropout (a = (1 - p)^(-1/2) (alpha^2 p + 1)^(-1/2))
+  x a z + alpha a (z - 1 + p), the same values as PyTorch under one seed;
+* ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` runs as ATen's math kernel,
+  dropout on the attention weights drawn as above;
+* ``torch.rand``, ``randn``, ``rand_like``, ``randn_like``, ``bernoulli`` and the in-place
+  ``bernoulli_``, ``uniform_`` and ``normal_`` draw as they do, and their values are kept;
+* ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``'s forward) runs its own code
+  with its dropout and attention calls routed to the above, its weights' dropout drawn on
+  them as (B, heads, T, S) (the layout it flattens to (B heads, T, S)).
+
+The replay of example i takes, in call order, the draw's row i where the draw has the batch
+on axis 0 (its replayed shape is (1, ...) where the recorded one was (B, ...)), and the whole
+draw where it is shared by the batch (the replayed shape is the recorded one). A replay that
+asks for other draws (another number, function or shape) raises rather than guess. An
+in-place draw on a tensor the replay cannot fill per example (``torch.empty(...)``, not
+derived from the batch) is returned by the call, and the tensor is filled with NaN: code
+that uses the return value (as stochastic depth does) runs as recorded, and code that
+ignores it gives a non-finite gradient, which dpcore refuses, never a wrong one.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import threading
+import types
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+_ALPHA = 1.7580993408473766  # SELU's alpha * lambda, as in ATen's alpha dropout
+
+# dropout functions: (channel-wise?, alpha?, in place?, name of the probability, of the flag)
+_DROPOUTS = {
+    F.dropout: (False, False, None, "p", "training"),
+    F.alpha_dropout: (False, True, None, "p", "training"),
+    F.dropout1d: (True, False, None, "p", "training"),
+    F.dropout2d: (True, False, None, "p", "training"),
+    F.dropout3d: (True, False, None, "p", "training"),
+    F.feature_alpha_dropout: (True, True, None, "p", "training"),
+    torch.dropout: (False, False, False, "p", "train"),
+    torch.dropout_: (False, False, True, "p", "train"),
+    torch.alpha_dropout: (False, True, False, "p", "train"),
+    torch.alpha_dropout_: (False, True, True, "p", "train"),
+    torch.feature_dropout: (True, False, False, "p", "train"),
+    torch.feature_dropout_: (True, False, True, "p", "train"),
+    torch.feature_alpha_dropout: (True, True, False, "p", "train"),
+    torch.feature_alpha_dropout_: (True, True, True, "p", "train"),
+}
+_DEFAULT_TRAINING = {F.dropout: True, F.dropout1d: True, F.dropout2d: True, F.dropout3d: True,
+                     F.alpha_dropout: False, F.feature_alpha_dropout: False}
+# draws kept as values: the function's result is the draw (in place: on its first argument)
+_IN_PLACE = (torch.Tensor.bernoulli_, torch.Tensor.uniform_, torch.Tensor.normal_)
+_VALUES = (torch.rand, torch.randn, torch.rand_like, torch.randn_like, torch.bernoulli,
+           torch.Tensor.bernoulli) + _IN_PLACE
+
+_MHA = F.multi_head_attention_forward
+_MHA_NAMES = list(inspect.signature(_MHA).parameters)
+
+_state = threading.local()
+
+
+class ReplayMismatchError(RuntimeError):
+    """A fallback module's replay asked for other random draws than its recorded call."""
+
+
+def _dropout_arguments(func, args, kwargs):
+    """(x, p, training, inplace) of a call of a dropout function."""
+    _, _, inplace, p_name, flag_name = _DROPOUTS[func]
+    names = ("input", p_name, flag_name, "inplace")
+    values = dict(zip(names, args)) | kwargs
+    if inplace is None:
+        inplace = values.get("inplace", False)
+    training = values.get(flag_name, _DEFAULT_TRAINING.get(func, True))
+    return values["input"], values.get(p_name, 0.5), training, inplace
+
+
+def _noise_shape(func, x) -> tuple:
+    """The shape ATen draws dropout noise in: the input's, or (N, C, 1, ...) channel-wise
+    (an unbatched input of dropout1d or dropout3d: (C, 1, ...))."""
+    if not _DROPOUTS[func][0]:
+        return tuple(x.shape)
+    if (func is F.dropout1d and x.dim() == 2) or (func is F.dropout3d and x.dim() == 4):
+        return (x.shape[0],) + (1,) * (x.dim() - 1)
+    return tuple(x.shape[:2]) + (1,) * (x.dim() - 2)
+
+
+def _apply_dropout(func, x, z, p, inplace):
+    """x masked by Bernoulli noise z (0 or 1, in x's dtype) as ATen's dropout applies it."""
+    if _DROPOUTS[func][1]:
+        a = 1.0 / math.sqrt((_ALPHA * _ALPHA * p + 1) * (1 - p))
+        b = z.add(-1).mul_(_ALPHA * a).add_(_ALPHA * a * p)
+        z = z.mul(a)
+        return (x.mul_(z) if inplace else x * z).add_(b)
+    z = z.div(1 - p)
+    return x.mul_(z) if inplace else x * z
+
+
+def _attention_arguments(args, kwargs):
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+             "enable_gqa")
+    values = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
+              "enable_gqa": False} | dict(zip(names, args)) | kwargs
+    return [values[n] for n in names]
+
+
+def _attention_weights(q, k, attn_mask, is_causal, scale, enable_gqa):
+    """softmax(q k^T scale + mask), formed as ATen's math kernel forms it."""
+    s = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
+    if enable_gqa:
+        k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
+    scores = (q * s) @ (k * s).transpose(-2, -1)
+    if is_causal:
+        attn_mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool,
+                               device=q.device).tril()
+    if attn_mask is not None:
+        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                  else scores + attn_mask)
+    return torch.softmax(scores, dim=-1)
+
+
+def _attend(weights, value, q, enable_gqa, z, p):
+    if enable_gqa:
+        value = value.repeat_interleave(q.size(-3) // value.size(-3), dim=-3)
+    return (weights * z.div(1 - p)) @ value
+
+
+def _value_shape(func, args, kwargs) -> tuple:
+    """The shape of the draw a value-kept random function returns."""
+    if func in (torch.rand, torch.randn):
+        size = kwargs.get("size", args)
+        if len(size) == 1 and not isinstance(size[0], int):
+            size = size[0]
+        return tuple(size)
+    return tuple(args[0].shape)
+
+
+def _value_dtype(func, args, kwargs):
+    if func in (torch.rand, torch.randn):
+        return kwargs.get("dtype") or torch.get_default_dtype()
+    return kwargs.get("dtype") or args[0].dtype
+
+
+class _Draws(TorchFunctionMode):
+    """The base of the recording and replaying modes: sorts a call into dropout, attention
+    with dropout, a value draw, or anything else (run as it is)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _DROPOUTS:
+            x, p, training, inplace = _dropout_arguments(func, args, kwargs)
+            if training and 0 < p < 1 and x.numel():
+                return self.dropout(func, x, p, inplace)
+        elif func is F.scaled_dot_product_attention:
+            q, k, v, mask, p, causal, scale, gqa = _attention_arguments(args, kwargs)
+            if p > 0:
+                return self.attention(q, k, v, mask, p, causal, scale, gqa)
+        elif func in _VALUES:
+            return self.value(func, args, kwargs)
+        elif func is _MHA:
+            return self.multi_head_attention(args, kwargs)
+        return func(*args, **kwargs)
+
+    def multi_head_attention(self, args, kwargs):
+        """``F.multi_head_attention_forward``'s own code (this mode is off while it runs),
+        its module-level ``dropout`` and ``scaled_dot_product_attention`` routed here."""
+        heads = (dict(zip(_MHA_NAMES, args)) | kwargs)["num_heads"]
+
+        def dropout(x, p=0.5, training=True, inplace=False):
+            y = self.__torch_function__(F.dropout, (), (x.unflatten(0, (-1, heads)), p,
+                                                         training, inplace))
+            return y.flatten(0, 1)
+
+        def attention(*a, **k):
+            return self.__torch_function__(F.scaled_dot_product_attention, (), a, k)
+
+        scope = _MHA.__globals__ | {"dropout": dropout, "scaled_dot_product_attention": attention}
+        body = types.FunctionType(_MHA.__code__, scope, _MHA.__name__, _MHA.__defaults__,
+                                  _MHA.__closure__)
+        body.__kwdefaults__ = _MHA.__kwdefaults__
+        return body(*args, **kwargs)
+
+
+class Recorder(_Draws):
+    """Active while fallback calls are recorded: draws each random operation's noise and
+    appends it to the draws of every call being recorded (a fallback inside a fallback
+    replays within the outer one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lists: list[list] = []
+
+    def keep(self, func, draw):
+        for draws in self.lists:
+            draws.append((func, draw))
+
+    def dropout(self, func, x, p, inplace):
+        z = x.new_empty(_noise_shape(func, x)) if _DROPOUTS[func][0] else torch.empty_like(x)
+        z.bernoulli_(1 - p)
+        self.keep(func, z.bool())
+        return _apply_dropout(func, x, z, p, inplace)
+
+    def attention(self, q, k, v, mask, p, causal, scale, gqa):
+        w = _attention_weights(q, k, mask, causal, scale, gqa)
+        z = torch.empty_like(w).bernoulli_(1 - p)
+        self.keep(F.scaled_dot_product_attention, z.bool())
+        return _attend(w, v, q, gqa, z, p)
+
+    def value(self, func, args, kwargs):
+        out = func(*args, **kwargs)
+        self.keep(func, out.detach().clone() if func in _IN_PLACE else out.detach())
+        return out
+
+
+@torch.no_grad()
+def _fill(target, value):
+    """The target of an in-place draw, holding the kept value; or the value, the target
+    filled with NaN, where the target is not derived from the batch and so cannot hold one
+    example's row under ``vmap``."""
+    try:
+        return target.copy_(value)
+    except RuntimeError:
+        target.fill_(float("nan"))
+        return value
+
+
+class Replayer(_Draws):
+    """Active while a fallback call is replayed for example ``index`` (a 0-d tensor, batched
+    under ``vmap``): gives each random operation the recorded draw, in order."""
+
+    def __init__(self, draws, batch: int, index, module: str):
+        super().__init__()
+        self.draws, self.batch, self.index, self.module = draws, batch, index, module
+        self.n = 0
+
+    def take(self, func, shape):
+        """The recorded draw for the next random call, ``func`` asking for ``shape``: its row
+        for this example, or the whole draw where the batch shares it."""
+        if self.n >= len(self.draws):
+            raise ReplayMismatchError(
+                f"the replay of {self.module} on one example called {_name(func)} after the "
+                f"{len(self.draws)} random draw(s) of its recorded call: how many it draws "
+                f"depends on the batch (or its data), and dpcore cannot replay that")
+        kept, draw = self.draws[self.n]
+        self.n += 1
+        if kept is not func and not (func in _DROPOUTS and kept in _DROPOUTS):
+            raise ReplayMismatchError(
+                f"the replay of {self.module} on one example called {_name(func)} where its "
+                f"recorded call drew with {_name(kept)} (random draw {self.n})")
+        if tuple(draw.shape) == shape:
+            return draw
+        if draw.dim() and draw.shape[0] == self.batch and shape == (1, *draw.shape[1:]):
+            return draw.index_select(0, self.index.view(1))
+        raise ReplayMismatchError(
+            f"the replay of {self.module} on one example drew {_name(func)} of shape "
+            f"{shape}, which is neither the recorded draw's shape {tuple(draw.shape)} (shared "
+            f"by the batch) nor one example's row of it: dpcore gives each example its row "
+            f"of a draw with the batch on axis 0 and cannot tell which part of this one "
+            f"belongs to the example")
+
+    def check_done(self) -> None:
+        if self.n != len(self.draws):
+            raise ReplayMismatchError(
+                f"the replay of {self.module} on one example made {self.n} random draw(s) "
+                f"where its recorded call made {len(self.draws)}")
+
+    def dropout(self, func, x, p, inplace):
+        z = self.take(func, _noise_shape(func, x)).to(x.dtype)
+        return _apply_dropout(func, x, z, p, inplace)
+
+    def attention(self, q, k, v, mask, p, causal, scale, gqa):
+        w = _attention_weights(q, k, mask, causal, scale, gqa)
+        z = self.take(F.scaled_dot_product_attention, tuple(w.shape)).to(w.dtype)
+        return _attend(w, v, q, gqa, z, p)
+
+    def value(self, func, args, kwargs):
+        value = self.take(func, _value_shape(func, args, kwargs)).to(
+            _value_dtype(func, args, kwargs))
+        return _fill(args[0], value) if func in _IN_PLACE else value
+
+
+def _name(func) -> str:
+    owner = getattr(func, "__module__", None) or "torch.Tensor"
+    return f"{owner}.{func.__name__}"
+
+
+class recording_draws:
+    """Context of a fallback call being recorded: its random draws go to ``draws`` (a list).
+    One :class:`Recorder` serves nested recordings, so each draw is made once."""
+
+    def __init__(self, draws: list):
+        self.draws = draws
+
+    def __enter__(self):
+        recorder = getattr(_state, "recorder", None)
+        self.outermost = recorder is None
+        if self.outermost:
+            recorder = _state.recorder = Recorder()
+            recorder.__enter__()
+        recorder.lists.append(self.draws)
+        return self.draws
+
+    def __exit__(self, *exc):
+        recorder = _state.recorder
+        recorder.lists.pop()
+        if self.outermost:
+            _state.recorder = None
+            recorder.__exit__(*exc)
+        return False
