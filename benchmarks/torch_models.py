@@ -16,7 +16,12 @@ support per example (Conv2d, Linear, Embedding, LayerNorm), so every mode runs t
 (f) the transformer (c) as PyTorch users write it (not in issue 4): the same embeddings and
     sizes, 2 ``nn.TransformerEncoderLayer`` (post-norm, ReLU, dropout 0.1) in an
     ``nn.TransformerEncoder``. Opacus runs it with its ``DPMultiheadAttention``
-    (``ModuleValidator.fix`` swaps it in).
+    (``ModuleValidator.fix`` swaps it in);
+(g) a ViT-style image classifier (not in issue 4): 32x32 RGB images cut into 64 patches of
+    4x4, a Linear patch embedding 48 -> 128, a class token and a position embedding held as
+    bare ``nn.Parameter`` s of the model (as timm and most ViT code hold them), the encoder
+    of (f), the class token's output to 10 classes; batch 32. dpcore forms the two
+    parameters' gradients from their broadcasting uses (``dpcore_torch.taps``).
 """
 
 from __future__ import annotations
@@ -88,6 +93,25 @@ class TorchEncoder(nn.Module):
         return self.head(self.encoder(self.tokens(k) + self.positions(pos)).mean(1))
 
 
+class ViT(nn.Module):
+    def __init__(self, patch=4, side=32, d=128, layers=2, heads=4, ff=512, classes=10):
+        super().__init__()
+        self.patch, n = patch, (side // patch) ** 2
+        self.embed = nn.Linear(3 * patch * patch, d)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
+        self.pos_embed = nn.Parameter(torch.randn(1, n + 1, d) * 0.02)
+        layer = nn.TransformerEncoderLayer(d, heads, ff, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, images):
+        p = self.patch
+        x = images.unfold(2, p, p).unfold(3, p, p)  # (B, 3, H/p, W/p, p, p)
+        x = self.embed(x.permute(0, 2, 3, 1, 4, 5).flatten(3).flatten(1, 2))
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], 1) + self.pos_embed
+        return self.head(self.encoder(x)[:, 0])
+
+
 class LSTMClassifier(nn.Module):
     def __init__(self, vocab=2_000, d=64, hidden=128, classes=2):
         super().__init__()
@@ -109,7 +133,7 @@ def cifar_cnn() -> nn.Module:
 
 def workload(name: str, seed: int = 0):
     """(model, inputs, targets) of one of "cnn", "mlp", "transformer", "encoder", "lstm",
-    "cifar"."""
+    "cifar", "vit"."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     if name == "cnn":
@@ -130,5 +154,8 @@ def workload(name: str, seed: int = 0):
     if name == "cifar":
         return cifar_cnn(), torch.randn(64, 3, 32, 32, generator=gen), \
             torch.randint(0, 10, (64,), generator=gen)
-    raise ValueError(f"workload must be cnn, mlp, transformer, encoder, lstm or cifar, got "
-                     f"{name!r}")
+    if name == "vit":
+        return ViT(), torch.randn(32, 3, 32, 32, generator=gen), \
+            torch.randint(0, 10, (32,), generator=gen)
+    raise ValueError(f"workload must be cnn, mlp, transformer, encoder, lstm, cifar or vit, "
+                     f"got {name!r}")

@@ -5,8 +5,7 @@ Opacus (hooks, ghost, functorch), on the workloads of :mod:`torch_models`.
     python benchmarks/torch_step.py --workloads mlp --seconds 20
     python benchmarks/torch_step.py --workloads lstm --modes non-private dpcore opacus-hooks \
         opacus-ghost opacus-functorch              # dpcore-vmap cannot vmap a fused LSTM
-    python benchmarks/torch_step.py --workloads encoder --modes non-private dpcore \
-        opacus-hooks opacus-ghost opacus-functorch  # nor dropout inside attention
+    python benchmarks/torch_step.py --workloads encoder vit --seconds 40
 
 A *step* is zero_grad, forward, cross-entropy (mean), backward and optimizer.step (SGD) on a
 fixed batch, so every mode does the same work (the DP modes: flat clipping at 1.0, noise
@@ -53,7 +52,8 @@ from torch_models import workload  # noqa: E402
 
 MODES = ("non-private", "dpcore", "dpcore-vmap", "opacus-hooks", "opacus-ghost",
          "opacus-functorch")
-WORKLOADS = ("cnn", "mlp", "transformer")  # issue 4's; "encoder", "lstm", "cifar" on request
+WORKLOADS = ("cnn", "mlp", "transformer")  # issue 4's; "encoder", "lstm", "cifar", "vit" on
+# request
 
 
 def build(name: str, mode: str):
@@ -73,7 +73,7 @@ def build(name: str, mode: str):
         from opacus import PrivacyEngine
 
         warnings.filterwarnings("ignore")
-        if name in ("lstm", "encoder"):  # Opacus's DPLSTM, DPMultiheadAttention swapped in
+        if name in ("lstm", "encoder", "vit"):  # Opacus's DPLSTM, DPMultiheadAttention in
             from opacus.validators import ModuleValidator
 
             model = ModuleValidator.fix(model)
@@ -97,17 +97,31 @@ def build(name: str, mode: str):
     return step
 
 
+def working_steps(name: str, modes) -> tuple[dict, dict[str, str]]:
+    """({mode: step} of the modes that run the workload, {mode: error} of those that fail
+    to build it or to take a step), after three steps of each (lazy initialisation,
+    allocator growth)."""
+    steps, failed = {}, {}
+    for mode in modes:
+        try:
+            step = build(name, mode)
+            for _ in range(3):
+                step()
+        except Exception as error:  # reported beside the others' times
+            failed[mode] = f"{type(error).__name__}: {str(error).splitlines()[0][:90]}"
+        else:
+            steps[mode] = step
+    return steps, failed
+
+
 def time_modes(name: str, modes, *, seconds: float = 60.0, rounds: int | None = None,
-               block: int | None = None) -> tuple[dict[str, float], int, int]:
-    """(median step time per mode, rounds, block): the modes are timed round-robin, ``block``
-    consecutive steps of each per round (the first of each block not timed), for ``rounds``
-    rounds or as many as fill about ``seconds`` (at least 5, the cost of a round estimated
-    from the warm-up), after a tenth as many more warm-up rounds (a sub-millisecond step
-    settles only after hundreds of steps)."""
-    steps = {mode: build(name, mode) for mode in modes}
-    for step in steps.values():  # first calls: lazy initialisation, allocator growth
-        for _ in range(3):
-            step()
+               block: int | None = None) -> tuple[dict[str, float], int, int, dict]:
+    """(median step time per mode, rounds, block, failed modes): the modes are timed
+    round-robin, ``block`` consecutive steps of each per round (the first of each block not
+    timed), for ``rounds`` rounds or as many as fill about ``seconds`` (at least 5, the cost
+    of a round estimated from the warm-up), after a tenth as many more warm-up rounds (a
+    sub-millisecond step settles only after hundreds of steps)."""
+    steps, failed = working_steps(name, modes)
     if block is None:
         start = time.perf_counter()
         for _ in range(3):
@@ -120,10 +134,10 @@ def time_modes(name: str, modes, *, seconds: float = 60.0, rounds: int | None = 
         rounds = max(5, math.ceil(seconds / (time.perf_counter() - start)))
     for _ in range(rounds // 10):
         one_round(steps, block - 1)
-    times = {mode: [] for mode in modes}
+    times = {mode: [] for mode in steps}
     for _ in range(rounds):
         one_round(steps, block - 1, times)
-    return {mode: statistics.median(t) for mode, t in times.items()}, rounds, block
+    return {mode: statistics.median(t) for mode, t in times.items()}, rounds, block, failed
 
 
 def _rss() -> int:
@@ -164,7 +178,7 @@ def memory_in_subprocess(name: str, mode: str) -> int | None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS),
-                        choices=WORKLOADS + ("encoder", "lstm", "cifar"))
+                        choices=WORKLOADS + ("encoder", "lstm", "cifar", "vit"))
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--seconds", type=float, default=60.0,
                         help="time each workload's modes for about this long (default 60)")
@@ -181,14 +195,16 @@ def main(argv=None) -> None:
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for name in args.workloads:
-        med, rounds, block = time_modes(name, args.modes, seconds=args.seconds,
-                                        rounds=args.rounds, block=args.block)
-        mem = {} if args.no_memory else {m: memory_in_subprocess(name, m) for m in args.modes}
+        med, rounds, block, failed = time_modes(name, args.modes, seconds=args.seconds,
+                                                rounds=args.rounds, block=args.block)
+        mem = {} if args.no_memory else {m: memory_in_subprocess(name, m) for m in med}
         base_t = med.get("non-private")
         base_m = mem.get("non-private")
         print(f"\n{name} ({rounds} rounds of {block} steps per mode)")
         print(f"  {'mode':<17} {'step ms':>8} {'x time':>7} {'peak MiB':>9} {'x memory':>9}")
-        for mode in args.modes:
+        for mode, error in failed.items():
+            print(f"  {mode:<17} fails: {error}")
+        for mode in med:
             t = med[mode] * 1e3
             rt = f"{med[mode] / base_t:.2f}" if base_t else "-"
             m = mem.get(mode)

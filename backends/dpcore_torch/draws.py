@@ -159,6 +159,13 @@ class _Draws(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        return self.after(func, args, kwargs, self.run(func, args, kwargs))
+
+    def after(self, func, args, kwargs, out):
+        """What the mode does with a call's result: hand it on."""
+        return out
+
+    def run(self, func, args, kwargs):
         if func in _DROPOUTS:
             x, p, training, inplace = _dropout_arguments(func, args, kwargs)
             if training and 0 < p < 1 and x.numel():
@@ -196,11 +203,18 @@ class _Draws(TorchFunctionMode):
 class Recorder(_Draws):
     """Active while fallback calls are recorded: draws each random operation's noise and
     appends it to the draws of every call being recorded (a fallback inside a fallback
-    replays within the outer one)."""
+    replays within the outer one), and shows every call's result to the calls' taps
+    (:class:`dpcore_torch.taps.Taps`)."""
 
     def __init__(self):
         super().__init__()
         self.lists: list[list] = []
+        self.taps: list = []
+
+    def after(self, func, args, kwargs, out):
+        for taps in self.taps:
+            out = taps.observe(func, args, kwargs, out)
+        return out
 
     def keep(self, func, draw):
         for draws in self.lists:
@@ -296,12 +310,13 @@ def _name(func) -> str:
     return f"{owner}.{func.__name__}"
 
 
-class recording_draws:
-    """Context of a fallback call being recorded: its random draws go to ``draws`` (a list).
-    One :class:`Recorder` serves nested recordings, so each draw is made once."""
+class Recording:
+    """Context of a fallback call being recorded: its random draws go to ``draws`` (a list)
+    and the calls of its forward pass are shown to ``taps`` (or None). One
+    :class:`Recorder` serves nested recordings, so each draw is made once."""
 
-    def __init__(self, draws: list):
-        self.draws = draws
+    def __init__(self, draws: list, taps=None):
+        self.draws, self.taps = draws, [] if taps is None else [taps]
 
     def __enter__(self):
         recorder = getattr(_state, "recorder", None)
@@ -310,11 +325,13 @@ class recording_draws:
             recorder = _state.recorder = Recorder()
             recorder.__enter__()
         recorder.lists.append(self.draws)
-        return self.draws
+        recorder.taps += self.taps
+        return self
 
     def __exit__(self, *exc):
         recorder = _state.recorder
         recorder.lists.pop()
+        del recorder.taps[len(recorder.taps) - len(self.taps):]
         if self.outermost:
             _state.recorder = None
             recorder.__exit__(*exc)

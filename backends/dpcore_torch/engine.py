@@ -5,7 +5,8 @@ Every trainable parameter (a *leaf*, named as in ``module.named_parameters()``) 
 *unit*: a layer with a rule (:mod:`dpcore_torch.layers`: Linear, Conv1d/2d, Embedding, LayerNorm,
 GroupNorm; :mod:`dpcore_torch.recurrent`: RNN, GRU, LSTM; :mod:`dpcore_torch.attention`:
 MultiheadAttention) or a fallback module
-(:mod:`dpcore_torch.fallback`, ``torch.func``). A leaf used once
+(:mod:`dpcore_torch.fallback`, ``torch.func``, or for parameters used only by broadcasting
+operations, :mod:`dpcore_torch.taps`). A leaf used once
 takes its rule's cheapest norm (ghost or materialised) and book-keeping sum; a leaf used several
 times in a step (tied weights, a layer called twice) has its per-example gradient formed as the
 sum of the uses' contributions, grad_i = sum_u grad_i^(u), before any norm is taken.

@@ -7,7 +7,9 @@ example i, the chain rule gives the per-example gradient
     grad_i = d/d theta <f(x_i; theta), g_i>,
 
 which ``vmap(grad(.))`` evaluates for all i by re-running f on one example at a time (as a batch
-of one). This is the fallback for layers without a rule in :mod:`dpcore_torch.layers`, and with
+of one), with the random draws of the forward pass (:mod:`dpcore_torch.draws`). A module
+whose own parameters are used only by broadcasting operations skips the replay
+(:mod:`dpcore_torch.taps`). This is the fallback for layers without a rule in :mod:`dpcore_torch.layers`, and with
 the whole model as f it is the ``mode="vmap"`` engine. Positional tensors must have the examples
 on axis 0 (0-d ones, e.g. a time step, are shared); keyword arguments are passed unchanged to
 every example (e.g. an attention mask shared by all), except PyTorch's per-example padding masks
@@ -22,15 +24,17 @@ from __future__ import annotations
 import threading
 import warnings
 from contextlib import contextmanager, nullcontext
+from functools import partial
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .draws import Replayer, ReplayMismatchError, recording_draws
+from .draws import Recording, Replayer, ReplayMismatchError
 from .instrumentation import instrumentation
 from .layers import birth, cast_to, keep_rows, late_backward, tick
+from .taps import Kept, Taps
 
 _state = threading.local()
 
@@ -62,10 +66,10 @@ class Call:
     it (:mod:`dpcore_torch.draws`), and the backprops of its floating-point tensor outputs
     (None until the backward pass reaches them)."""
 
-    __slots__ = ("args", "kwargs", "draws", "g", "cache", "born", "reached_at")
+    __slots__ = ("args", "kwargs", "draws", "taps", "g", "cache", "born", "reached_at")
 
-    def __init__(self, args, kwargs, draws, n_outputs):
-        self.args, self.kwargs, self.draws = args, kwargs, draws
+    def __init__(self, args, kwargs, draws, taps, n_outputs):
+        self.args, self.kwargs, self.draws, self.taps = args, kwargs, draws, taps
         self.g = [None] * n_outputs
         self.cache = None
         self.born, self.reached_at = birth(), None
@@ -73,6 +77,7 @@ class Call:
     def release(self) -> None:
         """Drop the tensors (output hooks may still hold this object)."""
         self.args, self.kwargs, self.draws, self.g, self.cache = (), {}, [], [], None
+        self.taps = None
 
     def keep_rows(self, keep) -> None:
         """Zero the rows of the examples where ``keep`` (B,) is False (see
@@ -81,6 +86,8 @@ class Call:
         self.g = [keep_rows(g, keep) for g in self.g]
         if self.cache is not None:
             self.cache = {k: keep_rows(t, keep) for k, t in self.cache.items()}
+        if self.taps is not None:  # the replay forms the rest, without the dropped rows
+            self.taps.complete = False
 
     @property
     def batch_size(self) -> int:
@@ -92,20 +99,8 @@ class Call:
         return any(g is not None for g in self.g)
 
 
-class _Kept(torch.autograd.Function):
-    """A copy of a module's output that is a view: its backprop goes to ``keep``. (An
-    in-place operation on the view itself, such as a residual ``h += x`` on an attention
-    output, would rebase it, and a hook on the view would never fire.)"""
-
-    @staticmethod
-    def forward(ctx, t, keep):
-        ctx.keep = keep
-        return t.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.keep(g)
-        return g, None
+def _ignore(g) -> None:
+    """Where an untapped unit's parameters send the gradient they receive."""
 
 
 def _batched(a) -> bool:
@@ -128,20 +123,22 @@ def _float_tensors(out):
 
 
 class _Stop(torch.autograd.Function):
-    """A parameter as its fallback module's call sees it: the gradient stops here, since the
-    replay forms it per example. A gradient that reaches the parameter itself comes from a
-    use outside the module, which the engine refuses (:class:`LeakedGradientError`). The
-    output shares the parameter's storage (not as a view), so that an in-place change of it
-    inside the forward (a ``clamp_`` under ``no_grad``) changes the parameter, as without
-    dpcore."""
+    """A parameter as its fallback module's call sees it: the gradient stops here (handed to
+    ``receive``, which the taps check theirs against), since the unit forms it per example.
+    A gradient that reaches the parameter itself comes from a use outside the module, which
+    the engine refuses (:class:`LeakedGradientError`). The output shares the parameter's
+    storage (not as a view), so that an in-place change of it inside the forward (a
+    ``clamp_`` under ``no_grad``) changes the parameter, as without dpcore."""
 
     @staticmethod
-    def forward(ctx, p):
+    def forward(ctx, p, receive):
+        ctx.receive = receive
         return p.detach()
 
     @staticmethod
     def backward(ctx, g):
-        return None
+        ctx.receive(g)
+        return None, None
 
 
 class FallbackUnit:
@@ -170,6 +167,7 @@ class FallbackUnit:
                        for attr, p in holder._parameters.items()
                        if p is not None and id(p) in ours}
         self._depth, self._removed = 0, False
+        self._tapped = not recurse  # a subtree (mode="vmap", a built-in layer) is replayed
         self._compiled = getattr(module, "_compiled_call_impl", None)  # module.compile()
         record = instrumentation(module)
         if self._compiled is None:
@@ -194,29 +192,37 @@ class FallbackUnit:
         plain = self._plain
         if self._removed or not recording():
             return plain(*args, **kwargs)
+        if self._depth:  # a call inside a call: replayed with the outer one, draws included
+            self._depth += 1
+            try:
+                return plain(*args, **kwargs)
+            finally:
+                self._depth -= 1
+        batch = next((a.shape[0] for a in args if _batched(a)), None)
+        taps = Taps(batch) if self._tapped and batch is not None else None
         stops, swapped = {}, []
         for holder, attr, key in self._slots.values():
             p = holder._parameters[attr]
-            if isinstance(p, nn.Parameter):  # not already held (a call inside a call)
-                if key not in stops:
-                    stops[key] = _Stop.apply(p)
-                holder._parameters[attr] = stops[key]
-                swapped.append((holder, attr, p))
-        self._depth += 1
-        draws = []
+            if not isinstance(p, nn.Parameter):  # held by another unit's call already
+                continue
+            if key not in stops:
+                stops[key] = _Stop.apply(p, _ignore if taps is None
+                                         else partial(taps.receive, key))
+                if taps is not None:
+                    taps.hold(key, stops[key])
+            holder._parameters[attr] = stops[key]
+            swapped.append((holder, attr, p))
+        self._depth, draws = 1, []
         try:
-            if self._depth > 1:  # replayed with the outer call, draws included
+            with Recording(draws, taps):
                 out = plain(*args, **kwargs)
-            else:
-                with recording_draws(draws):
-                    out = plain(*args, **kwargs)
         finally:
-            self._depth -= 1
+            self._depth = 0
             for holder, attr, p in swapped:
                 holder._parameters[attr] = p
-        return out if self._depth else self._record(args, kwargs, draws, out)
+        return self._record(args, kwargs, draws, taps, out)
 
-    def _record(self, args, kwargs, draws, out):
+    def _record(self, args, kwargs, draws, taps, out):
         """Keep the call's inputs (as the caller passed them: the replay runs pre-hooks
         again) and hook its outputs (as every forward hook left them) for their backprops."""
         if not any(_batched(a) for a in args):
@@ -227,14 +233,14 @@ class FallbackUnit:
         leaves, spec = tree_flatten(out)
         floats = [i for i, t in enumerate(leaves) if _is_float(t)]
         call = Call(tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
-                    kwargs, draws, len(floats))
+                    kwargs, draws, taps, len(floats))
         copied = False
         for k, i in enumerate(floats):
             t = leaves[i]
             if not t.requires_grad:
                 continue
             if t._is_view():  # an in-place op on a view would rebase it past a tensor hook
-                leaves[i], copied = _Kept.apply(t, self._keeper(call, k)), True
+                leaves[i], copied = Kept.apply(t, self._keeper(call, k)), True
             else:
                 t.register_hook(self._keeper(call, k))
         self.calls.append(call)
@@ -257,6 +263,11 @@ class FallbackUnit:
         params = {k: self.module.get_parameter(k).detach() for k in self.names}
         slots = {slot: params[key] for slot, (_, _, key) in self._slots.items()}
         b = call.batch_size
+        dtype = next(iter(params.values())).dtype
+        tapped = None if call.taps is None else call.taps.grads(dtype)
+        if tapped is not None:
+            call.cache = tapped
+            return call.cache
         if b == 0 or all(g is None for g in call.g):
             call.cache = {k: p.new_zeros((b, *p.shape)) for k, p in params.items()}
             return call.cache
@@ -294,7 +305,6 @@ class FallbackUnit:
 
         # replayed in the parameters' precision (inputs and backprops of an autocast forward
         # may be lower), as the layer rules form their gradients
-        dtype = next(iter(params.values())).dtype
         tensors = [cast_to(call.args[i], dtype) for i in positions]
         split = [call.kwargs[k] for k in keywords]
         backprops = [None if g is None else cast_to(g, dtype) for g in call.g]

@@ -1,0 +1,182 @@
+"""Per-example gradients of a fallback module's own parameters used only by broadcasting
+operations, from those operations' output backprops, without the replay.
+
+A parameter p of a module without a rule (a ViT's class token and position embedding, a
+LayerScale's gains, a learned bias) usually enters its module's forward pass as
+
+    o = x + alpha p,   o = x - alpha p,   o = x * p   or   o = p.expand(B, ...),
+
+with p broadcast over the batch axis of o (of size 1 there, or without it). Example i's part
+of the loss then reaches p only through row i of o, so with g = dL/do
+
+    grad_i = sum over p's broadcast axes of  alpha g_i   (add, sub: -alpha, expand: 1)
+                                         or  g_i x_i     (mul),
+
+summed over the parameter's uses. While a unit's call is recorded (the mode of
+:mod:`dpcore_torch.draws`), every operation taking one of its parameters is sorted: one whose
+result carries no gradient (a shape, a detached copy) is no use; one of the forms above keeps
+its operand and the backprop of its result; any other use (a matmul, an index, a
+concatenation of p itself) leaves the call to the replay. The replay also takes the call
+when the per-example gradients summed over the batch differ from the gradient the parameter
+received (a use dpcore could not see: a C++ extension inside an autograd Function), so a
+missed use makes a step slower, not wrong. Like every rule, this reads axis 0 as the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# (function, the operands' roles): the forms above, as the torch function mode sees them
+_ADD = {torch.Tensor.add, torch.add, torch.Tensor.__add__, torch.Tensor.__radd__}
+_SUB = {torch.Tensor.sub, torch.sub, torch.Tensor.__sub__}
+_MUL = {torch.Tensor.mul, torch.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
+_EXPAND = {torch.Tensor.expand, torch.Tensor.expand_as}
+
+
+class Kept(torch.autograd.Function):
+    """A copy of a tensor whose backprop goes to ``keep``: unlike a hook on a view, it is
+    not lost when the view, or its base, is changed in place afterwards."""
+
+    @staticmethod
+    def forward(ctx, t, keep):
+        ctx.keep = keep
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.keep(g)
+        return g, None
+
+
+def _requires_grad(out) -> bool:
+    if isinstance(out, torch.Tensor):
+        return out.requires_grad
+    if isinstance(out, (tuple, list)):
+        return any(_requires_grad(o) for o in out)
+    return False
+
+
+class _Use:
+    """One tapped use: coefficient, the other operand of a product (or None), and the
+    backprop of its result."""
+
+    __slots__ = ("coefficient", "factor", "g")
+
+    def __init__(self, coefficient, factor):
+        self.coefficient, self.factor, self.g = coefficient, factor, None
+
+    def keep(self, g):
+        self.g = g if self.g is None else self.g + g
+
+
+def _per_example(t, shape):
+    """Rows of t (B, ...) summed down to ``shape`` over the axes where a tensor of that shape
+    was broadcast (right-aligned, batch axis of size 1 or absent): (B, *shape)."""
+    padded = (1,) * (t.dim() - len(shape)) + tuple(shape)
+    axes = [d for d in range(1, t.dim()) if padded[d] == 1 and t.shape[d] != 1]
+    if axes:
+        t = t.sum(dim=axes, keepdim=True)
+    return t.reshape(t.shape[0], *shape)
+
+
+class Taps:
+    """The uses of one fallback call's parameters, for a batch of ``batch`` examples."""
+
+    def __init__(self, batch: int):
+        self.batch = batch
+        self.keys, self.shapes, self.uses, self.received = {}, {}, {}, {}
+        self.device = None
+        self.complete = True  # every use seen is tapped
+
+    def hold(self, key, held: torch.Tensor) -> None:
+        """Watch ``held``, the tensor the module holds for its parameter ``key`` in the
+        call."""
+        self.keys[id(held)], self.shapes[key], self.device = key, tuple(held.shape), held.device
+        self.uses[key], self.received[key] = [], None
+
+    def receive(self, key, g) -> None:
+        """The gradient that reached the held parameter ``key`` (through every use)."""
+        self.received[key] = g if self.received[key] is None else self.received[key] + g
+
+    def observe(self, func, args, kwargs, out):
+        """Sort a call of ``func`` that ran in the unit's forward; returns ``out``, or the
+        copy that keeps its backprop."""
+        if not self.complete:
+            return out
+        positions = [i for i, a in enumerate(args) if id(a) in self.keys]
+        nested = any(id(v) in self.keys for v in kwargs.values()) or any(
+            isinstance(a, (list, tuple)) and any(id(t) in self.keys for t in a)
+            for a in (*args, *kwargs.values()))
+        if not (positions or nested) or not _requires_grad(out):
+            return out  # no use, or none that carries a gradient
+        use = None if nested or len(positions) != 1 else self._form(func, args, kwargs, out,
+                                                                    positions[0])
+        if use is None:
+            self.complete = False
+            return out
+        key, use = use
+        self.uses[key].append(use)
+        if out._is_view():  # an expansion of the parameter: hooked through a copy
+            return Kept.apply(out, use.keep)
+        out.register_hook(use.keep)
+        return out
+
+    def _form(self, func, args, kwargs, out, position):
+        """(key, _Use) if the call is one of the broadcasting forms, else None."""
+        if not isinstance(out, torch.Tensor):
+            return None
+        key = self.keys[id(args[position])]
+        shape = self.shapes[key]
+        if (out.dim() == 0 or out.shape[0] != self.batch or len(shape) > out.dim()
+                or (len(shape) == out.dim() and shape[0] != 1)):
+            return None  # not broadcast over the batch axis
+        if func in _EXPAND:
+            return (key, _Use(1.0, None)) if position == 0 else None
+        if len(args) != 2 or not isinstance(args[1 - position], torch.Tensor):
+            return None
+        alpha = kwargs.get("alpha", 1)
+        if set(kwargs) - {"alpha"} or not isinstance(alpha, (int, float)):
+            return None
+        if func in _ADD:
+            return key, _Use(alpha if position == 1 else 1.0, None)
+        if func in _SUB:
+            return key, _Use(-alpha if position == 1 else 1.0, None)
+        if func in _MUL and not kwargs:
+            return key, _Use(1.0, args[1 - position].detach())
+        return None
+
+    def grads(self, dtype):
+        """{key: (B, *shape)} per-example gradients in ``dtype``, or None where the taps do
+        not account for the gradient every parameter received."""
+        if not self.complete:
+            return None
+        out = {}
+        for key, uses in self.uses.items():
+            shape = self.shapes[key]
+            total = torch.zeros((self.batch, *shape), dtype=dtype, device=self.device)
+            magnitude, terms, eps = total[0], 0, torch.finfo(dtype).eps
+            for use in uses:
+                if use.g is not None:
+                    t = use.g.to(dtype) * use.coefficient
+                    if use.factor is not None:
+                        t = t * use.factor.to(dtype)
+                    total = total + _per_example(t, shape)
+                    magnitude = magnitude + _per_example(t.abs(), shape).sum(0)
+                    terms += t.numel() // max(1, total[0].numel())
+                    eps = max(eps, torch.finfo(use.g.dtype).eps)
+            if not _agrees(total, self.received[key], 2 * (terms + len(uses)) * eps * magnitude):
+                return None
+            out[key] = total
+        return out
+
+
+def _agrees(total, received, bound) -> bool:
+    """Whether the per-example gradients ``total`` (B, ...) are finite and sum to the
+    gradient the parameter ``received`` within ``bound`` (elementwise: the rounding of sums
+    of n terms, n eps sum |terms|, twice over, by whatever order autograd added them)."""
+    if not bool(torch.isfinite(total).all()):
+        return False
+    summed = total.sum(0)
+    if received is None:
+        return not bool(summed.any())
+    return bool(((summed - received.to(summed.dtype)).abs() <= bound).all())

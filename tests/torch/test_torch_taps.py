@@ -1,0 +1,135 @@
+"""A fallback module's own parameters used by broadcasting operations (x + p, x * p,
+p.expand(B, ...)) take their per-example gradients from the operations' backprops (taps);
+any other use, or a use the taps cannot see, leaves the call to the replay. Both against a
+float64 one-example-at-a-time oracle."""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from dpcore_torch import PerExampleEngine  # noqa: E402
+from dpcore_torch.fallback import FallbackUnit  # noqa: E402
+
+T, D = 4, 6
+
+
+class Scaled(torch.autograd.Function):
+    """x * p with its own backward: a use of p the torch function mode does not see (its
+    forward runs without gradients)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, p):
+        return x * p
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, p = ctx.saved_tensors
+        return g * p, (g * x).sum_to_size(p.shape)
+
+
+class Uses(nn.Module):
+    """Parameters of its own used in one of several ways, between two Linear layers."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+        self.token = nn.Parameter(torch.randn(1, 1, D))
+        self.position = nn.Parameter(torch.randn(1, T + 1, D))
+        self.gain = nn.Parameter(torch.randn(D))
+        self.bias = nn.Parameter(torch.randn(T + 1, D))
+
+    def forward(self, x):
+        token = self.token.expand(x.shape[0], -1, -1)
+        h = torch.cat([token, x], 1)
+        if self.form == "broadcast":  # every tapped form
+            h = h + self.position
+            h = self.gain * torch.tanh(h) - self.bias
+            h = torch.add(h, self.bias, alpha=0.5) * self.gain
+            h = torch.sub(self.position.expand_as(h), h, alpha=2.0) + h * 0.3
+            h = self.position - h
+            h = h + torch.tanh(h) * self.gain.detach() * self.gain.shape[0]  # no use
+            h.mul_(2.0)  # in place after a tapped result
+            return h
+        if self.form == "matmul":  # not a broadcasting form: replayed
+            return h @ torch.diag(self.gain) + self.position + self.bias
+        if self.form == "index":
+            return h * self.gain[0] + self.position + self.bias
+        if self.form == "invisible":  # a use only autograd sees: the check sends it back
+            return Scaled.apply(h + self.position, self.gain) + self.bias
+        raise ValueError(self.form)
+
+
+class Model(nn.Module):
+    def __init__(self, form):
+        super().__init__()
+        self.embed = nn.Linear(3, D)
+        self.uses = Uses(form)
+        self.head = nn.Linear(D, 2)
+
+    def forward(self, x):
+        return self.head(self.uses(self.embed(x)).mean(1))
+
+
+def oracle(model, x):
+    names = [n for n, _ in model.named_parameters()]
+    rows = [torch.autograd.grad((model(x[i:i + 1]) ** 2).sum(), list(model.parameters()))
+            for i in range(x.shape[0])]
+    return {n: torch.stack([r[k] for r in rows]) for k, n in enumerate(names)}
+
+
+def per_example(model, x):
+    engine = PerExampleEngine(model, loss_reduction="sum")
+    (model(x) ** 2).sum().backward()
+    (unit,) = [u for u in engine.units if isinstance(u, FallbackUnit)]
+    (call,) = unit.calls
+    tapped = call.taps.grads(torch.float64) is not None
+    return engine.per_example_grads(), tapped
+
+
+@pytest.mark.parametrize("form, tapped", [("broadcast", True), ("matmul", False),
+                                          ("index", False), ("invisible", False)])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_taps_or_the_replay_match_the_oracle(form, tapped, batch):
+    torch.manual_seed(0)
+    model = Model(form).double()
+    x = torch.randn(batch, T, 3, dtype=torch.float64)
+    expected = oracle(copy.deepcopy(model), x)
+    got, used_taps = per_example(model, x)
+    assert used_taps == tapped
+    for n, e in expected.items():
+        assert torch.allclose(got[n], e, rtol=1e-10, atol=1e-12), n
+
+
+def test_taps_stay_within_rounding_in_float32():
+    """The check of the summed taps against the received gradient passes in float32 for a
+    batch of 512 (its bound is the rounding of the sums, not a fixed tolerance)."""
+    torch.manual_seed(1)
+    model = Model("broadcast")
+    x = torch.randn(512, T, 3)
+    got, used_taps = per_example(model, x)
+    assert used_taps
+    expected = oracle(copy.deepcopy(model).double(), x.double())
+    for n, e in expected.items():
+        assert torch.allclose(got[n].double(), e, rtol=1e-4, atol=1e-5 * e.abs().max()), n
+
+
+def test_a_dropped_record_sends_the_call_to_the_replay():
+    torch.manual_seed(2)
+    model = Model("broadcast").double()
+    x = torch.randn(4, T, 3, dtype=torch.float64)
+    x[1, 0, 0] = float("nan")
+    engine = PerExampleEngine(model, loss_reduction="sum")
+    (model(x) ** 2).sum().backward()
+    keep = torch.tensor([True, False, True, True])
+    (unit,) = [u for u in engine.units if isinstance(u, FallbackUnit)]
+    unit.calls[0].keep_rows(keep)
+    assert unit.calls[0].taps.grads(torch.float64) is None
