@@ -34,6 +34,13 @@ MODES = ("auto", "vmap")
 REDUCTIONS = ("mean", "sum")
 
 
+NOT_COPIED = (
+    "a PerExampleEngine (and the private optimizer holding it) cannot be copied or pickled: "
+    "the copy would not see the model's forward passes. Copy or save the model (a plain "
+    "model, dpcore's instrumentation left out) and the optimizer's state_dict(), and make "
+    "the copy private on its own")
+
+
 class LeakedGradientError(RuntimeError):
     """A parameter got a gradient that no instrumented layer saw per example."""
 
@@ -209,6 +216,12 @@ class PerExampleEngine:
                 self._leaked.add(leaf)
             return grad
         return detect
+
+    def __reduce_ex__(self, protocol):
+        """An engine is bound to the model it instruments: a copy (``copy.deepcopy`` of a
+        private optimizer, a pickle) would hold a copy of the model whose layers no longer
+        record anything, so its sums would be zero and its steps pure noise."""
+        raise TypeError(NOT_COPIED)
 
     def detach(self) -> None:
         """Remove every hook and restore the layers' own forward methods."""

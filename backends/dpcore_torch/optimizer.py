@@ -13,7 +13,7 @@ import torch
 
 from dpcore import PrivateAggregator
 
-from .engine import PerExampleEngine
+from .engine import NOT_COPIED, PerExampleEngine
 from .step import clip_into
 
 
@@ -35,6 +35,12 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self.defaults = optimizer.defaults
         self.aggregator = aggregator
         self._pending = None  # (noise draws, clip factors) of a step being accumulated
+
+    def __reduce_ex__(self, protocol):
+        """Refused (:meth:`PerExampleEngine.__reduce_ex__`): torch's optimizers copy and pickle
+        only ``defaults``, ``state`` and ``param_groups``, which would give a private
+        optimizer without its engine and aggregator."""
+        raise TypeError(NOT_COPIED)
 
     def _refuse_stray(self, param_groups, *, grads: bool = False) -> None:
         """Refuse trainable tensors the engine does not clip (with ``grads``: tensors holding

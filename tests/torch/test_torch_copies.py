@@ -163,3 +163,21 @@ def test_a_parametrized_layer_copies_as_a_plain_layer():
     assert not any(k in twin[0].__dict__ for k in ("_call_impl", "__getstate__", "__deepcopy__"))
     twin(torch.randn(3, 4)).sum().backward()
     assert all(p.grad is not None for p in twin.parameters())
+
+
+@pytest.mark.parametrize("how", [copy.deepcopy, copy.copy, pickle.dumps])
+def test_an_engine_or_a_private_optimizer_refuses_to_be_copied(how):
+    """A copy of the engine would hold a copy of the model that records nothing: its sums
+    would be zero and its steps pure noise."""
+    from dpcore_torch import make_private
+
+    model = build()
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 3, (8,))),
+        batch_size=4)
+    model, optimizer, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                       loader, noise_multiplier=1.0, max_grad_norm=1.0)
+    for thing in (optimizer.engine, optimizer):
+        with pytest.raises(TypeError, match="cannot be copied or pickled"):
+            how(thing)
+    how(model)  # the model itself copies as the plain model
