@@ -22,6 +22,7 @@ _HOME = {
     "train": "training",
     "private_aggregate": "transform",
     "private_optimizer": "transform",
+    "drop_parts": "transform",
     "make_key": "backend",
     "leaf_names": "names",
     "leaf_sizes": "names",

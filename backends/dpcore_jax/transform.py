@@ -90,7 +90,8 @@ class _Ledger:
                 f"the optimizer holds the clipped sums of {count} part(s) of step {held}, and a "
                 f"part of step {now} arrived: its release would add up two samples. Give "
                 f"PoissonBatches splits={self.parts} (accumulation_steps), run every part of "
-                f"each sample, or call init again to drop the parts held; nothing was released")
+                f"each sample, or drop the parts held with dpcore_jax.drop_parts(state) (init "
+                f"again would also reset the wrapped optimizer); nothing was released")
         return np.array([now, int(drop)], np.int32)
 
     def record(self, nonfinite, step):
@@ -151,6 +152,22 @@ def private_aggregate(aggregator) -> optax.GradientTransformation:
         return mean, PrivateAggregateState(key)
 
     return optax.GradientTransformation(init, update)
+
+
+def drop_parts(state):
+    """``state`` (a :class:`PrivateOptimizerState`, or an optax state holding some) without
+    the clipped sums of the parts held, the wrapped optimizer's state and the key kept: the
+    way on after a part of a later sample was refused (nothing was released, so no noise was
+    drawn)."""
+    def drop(s):
+        if not isinstance(s, PrivateOptimizerState):
+            return s
+        none = jnp.zeros((), jnp.int32)
+        return s._replace(sums=jax.tree_util.tree_map(jnp.zeros_like, s.sums), count=none,
+                          nonfinite=none, step=none - 1)
+
+    return jax.tree_util.tree_map(drop, state,
+                                  is_leaf=lambda s: isinstance(s, PrivateOptimizerState))
 
 
 def private_optimizer(optimizer: optax.GradientTransformation, aggregator, *,

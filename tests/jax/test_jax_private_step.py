@@ -10,8 +10,8 @@ import pytest
 import dpcore
 from dpcore.aggregation import NonFiniteNormError
 from dpcore.ledger import SamplingEvent, SumQueryEvent
-from dpcore_jax import (Buckets, PoissonBatches, PrivateStep, clipped_sums, leaf_names,
-                        leaf_sizes, private_grad, private_optimizer, train)
+from dpcore_jax import (Buckets, PoissonBatches, PrivateStep, clipped_sums, drop_parts,
+                        leaf_names, leaf_sizes, private_grad, private_optimizer, train)
 from dpcore_jax.batching import pad
 
 import jax_models as models
@@ -273,6 +273,46 @@ def test_an_optax_release_summing_two_samples_is_refused(splits, parts_run, rele
         jax.block_until_ready(params)
     assert [type(e) for e in agg.ledger.events] == (
         [SamplingEvent] + [SumQueryEvent] * released + [SamplingEvent])
+
+
+def test_drop_parts_goes_on_after_a_refused_part_keeping_the_optimizer_state():
+    """A sample left after one of its two parts: the next sample's first part is refused;
+    drop_parts on the state from before it drops the held part and keeps Adam's moments, its
+    step count and the key, and the next whole sample is released from them."""
+    rng = np.random.default_rng(13)
+    loss_fn, params = wide_model(rng)
+    mechanism = dpcore.flat(["b", "w"], 1.0, 1.0)
+    agg = aggregator(mechanism, n=400, q=0.1, seed=7, on_nonfinite="drop")
+    x = rng.normal(size=(400, 200)).astype(np.float32)
+    y = rng.integers(0, 100, size=400)
+    sums_fn = clipped_sums(loss_fn, mechanism)
+    opt = private_optimizer(optax.adam(0.1), agg, accumulation_steps=2)
+    state = opt.init(params)
+
+    @jax.jit
+    def micro_step(params, state, batch, mask):
+        updates, state = opt.update(sums_fn(params, batch, mask), state, params)
+        return optax.apply_updates(params, updates), state
+
+    batches = PoissonBatches((x, y), agg, splits=2)
+    for batch, mask in batches.next():  # one whole sample: Adam takes a step
+        params, state = micro_step(params, state, batch, mask)
+    params, state = micro_step(params, state, *batches.next()[0])  # left part-way
+    with pytest.raises(jax.errors.JaxRuntimeError, match="drop_parts"):
+        jax.block_until_ready(micro_step(params, state, *batches.next()[0]))
+    dropped = drop_parts(state)
+    assert int(dropped.count) == 0 and int(dropped.step) == -1
+    assert not np.asarray(dropped.sums["w"]).any() and np.asarray(state.sums["w"]).any()
+    for kept, old in zip(jax.tree_util.tree_leaves((dropped.inner, jax.random.key_data(
+            dropped.key))), jax.tree_util.tree_leaves((state.inner, jax.random.key_data(
+                state.key)))):
+        np.testing.assert_array_equal(np.asarray(kept), np.asarray(old))
+    assert int(dropped.inner[0].count) == 1
+    for batch, mask in batches.next():
+        params, dropped = micro_step(params, dropped, batch, mask)
+    assert int(dropped.inner[0].count) == 2
+    kinds = [type(e) for e in agg.ledger.events]
+    assert kinds == [SamplingEvent, SumQueryEvent] + [SamplingEvent] * 3 + [SumQueryEvent]
 
 
 @pytest.mark.parametrize("k", [1, 2])
