@@ -21,7 +21,11 @@ support per example (Conv2d, Linear, Embedding, LayerNorm), so every mode runs t
     4x4, a Linear patch embedding 48 -> 128, a class token and a position embedding held as
     bare ``nn.Parameter`` s of the model (as timm and most ViT code hold them), the encoder
     of (f), the class token's output to 10 classes; batch 32. dpcore forms the two
-    parameters' gradients from their broadcasting uses (``dpcore_torch.taps``).
+    parameters' gradients from their broadcasting uses (``dpcore_torch.taps``);
+(h) a GPT-2-style model (not in issue 4): (c) with causal attention and every projection a
+    Hugging Face ``Conv1D`` (``x @ weight + bias``, weight (in, out)) instead of ``nn.Linear``.
+    dpcore registers the class (``dpcore_torch.register_linear(Conv1D, transposed=True)``);
+    mode ``dpcore-replay`` leaves it to the per-layer ``torch.func`` replay.
 """
 
 from __future__ import annotations
@@ -50,28 +54,58 @@ def covertype_mlp() -> nn.Module:
                          nn.Linear(100, 7))
 
 
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int, ff: int):
+class Conv1D(nn.Module):
+    """Hugging Face's GPT-2 projection (``transformers.pytorch_utils.Conv1D``, written out so
+    the benchmarks need no transformers): x @ weight + bias on the flattened positions, with
+    ``weight`` of shape (in, out)."""
+
+    def __init__(self, nf: int, nx: int):
         super().__init__()
-        self.heads = heads
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+class ReplayedConv1D(Conv1D):
+    """The same layer under a class that is not registered with dpcore (mode dpcore-replay)."""
+
+
+def _conv1d(d_in: int, d_out: int) -> Conv1D:
+    return Conv1D(d_out, d_in)
+
+
+def _replayed_conv1d(d_in: int, d_out: int) -> Conv1D:
+    return ReplayedConv1D(d_out, d_in)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, ff: int, linear=nn.Linear, causal: bool = False):
+        super().__init__()
+        self.heads, self.causal = heads, causal
         self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.ff1, self.ff2 = nn.Linear(d, ff), nn.Linear(ff, d)
+        self.qkv, self.proj = linear(d, 3 * d), linear(d, d)
+        self.ff1, self.ff2 = linear(d, ff), linear(ff, d)
 
     def forward(self, x):
         b, t, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
         att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2))
+                                             v.transpose(1, 2), is_causal=self.causal)
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
         return x + self.ff2(F.gelu(self.ff1(self.norm2(x))))
 
 
 class Encoder(nn.Module):
-    def __init__(self, vocab=10_000, d=128, layers=2, heads=4, ff=512, seq=64, classes=2):
+    def __init__(self, vocab=10_000, d=128, layers=2, heads=4, ff=512, seq=64, classes=2,
+                 linear=nn.Linear, causal=False):
         super().__init__()
         self.tokens, self.positions = nn.Embedding(vocab, d), nn.Embedding(seq, d)
-        self.blocks = nn.Sequential(*[Block(d, heads, ff) for _ in range(layers)])
+        self.blocks = nn.Sequential(*[Block(d, heads, ff, linear, causal)
+                                      for _ in range(layers)])
         self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, classes)
 
     def forward(self, k):
@@ -131,9 +165,9 @@ def cifar_cnn() -> nn.Module:
                          nn.Flatten(), nn.Linear(64 * 8 * 8, 10))
 
 
-def workload(name: str, seed: int = 0):
+def workload(name: str, seed: int = 0, *, replayed: bool = False):
     """(model, inputs, targets) of one of "cnn", "mlp", "transformer", "encoder", "lstm",
-    "cifar", "vit"."""
+    "cifar", "vit", "gpt2" (``replayed``: its Conv1D under a class dpcore does not know)."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     if name == "cnn":
@@ -157,5 +191,9 @@ def workload(name: str, seed: int = 0):
     if name == "vit":
         return ViT(), torch.randn(32, 3, 32, 32, generator=gen), \
             torch.randint(0, 10, (32,), generator=gen)
-    raise ValueError(f"workload must be cnn, mlp, transformer, encoder, lstm, cifar or vit, "
-                     f"got {name!r}")
+    if name == "gpt2":
+        return Encoder(linear=_replayed_conv1d if replayed else _conv1d, causal=True), \
+            torch.randint(0, 10_000, (32, 64), generator=gen), \
+            torch.randint(0, 2, (32,), generator=gen)
+    raise ValueError(f"workload must be cnn, mlp, transformer, encoder, lstm, cifar, vit or "
+                     f"gpt2, got {name!r}")

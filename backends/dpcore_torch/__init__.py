@@ -4,6 +4,8 @@
 * :class:`PerExampleEngine` + :func:`private_grads` - the functional step for custom loops
   (:func:`clip_into` to accumulate a Poisson sample over micro-batches);
 * :func:`poisson_loader` - Poisson-sampled batches (empty batches included);
+* :func:`register_linear` - another library's linear layer class (GPT-2's ``Conv1D``) run
+  through the Linear rule;
 * :class:`TorchBackend` - the dpcore backend contract (``dpcore.get_backend("torch")``).
 
 Names are imported on first use, so that importing the entry-point module
@@ -21,6 +23,7 @@ _HOME = {
     "PrivateOptimizer": "optimizer",
     "build_mechanism": "privacy", "make_private": "privacy",
     "clip_into": "step", "private_grads": "step",
+    "register_linear": "registered",
 }
 
 __all__ = sorted(_HOME)
