@@ -118,3 +118,15 @@ def test_only_modules_are_registered_and_dpcores_own_rules_stay():
         register_linear(len)
     with pytest.raises(ValueError, match="rule of dpcore's own"):
         register_linear(nn.Linear)
+
+
+def test_the_first_call_check_allows_for_autocast_precision():
+    """Under bfloat16 autocast the rule and the class's own forward round differently; the
+    check compares them at the output's precision."""
+    torch.manual_seed(3)
+    model = Block()
+    engine = PerExampleEngine(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(torch.randn(4, 7, 16))
+    out.float().sum().backward()
+    assert torch.isfinite(engine.sq_norms(list(engine.params))).all()
