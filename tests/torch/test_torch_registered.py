@@ -120,9 +120,9 @@ def test_only_modules_are_registered_and_dpcores_own_rules_stay():
         register_linear(nn.Linear)
 
 
-def test_the_first_call_check_allows_for_autocast_precision():
-    """Under bfloat16 autocast the rule and the class's own forward round differently; the
-    check compares them at the output's precision."""
+def test_registered_layers_run_under_autocast():
+    """Under bfloat16 autocast the first-call check compares the rule's output with the
+    class's own at the output's precision (the two agree exactly on this CPU)."""
     torch.manual_seed(3)
     model = Block()
     engine = PerExampleEngine(model)
