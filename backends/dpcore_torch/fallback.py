@@ -7,13 +7,14 @@ example i, the chain rule gives the per-example gradient
     grad_i = d/d theta <f(x_i; theta), g_i>,
 
 which ``vmap(grad(.))`` evaluates for all i by re-running f on one example at a time (as a batch
-of one), with the random draws of the forward pass (:mod:`dpcore_torch.draws`). A module
-whose own parameters are used only by broadcasting operations skips the replay
-(:mod:`dpcore_torch.taps`). This is the fallback for layers without a rule in :mod:`dpcore_torch.layers`, and with
-the whole model as f it is the ``mode="vmap"`` engine. Positional tensors must have the examples
-on axis 0 (0-d ones, e.g. a time step, are shared); keyword arguments are passed unchanged to
-every example (e.g. an attention mask shared by all), except PyTorch's per-example padding masks
-(``key_padding_mask``, ``src_key_padding_mask``, ...), which are split like positional tensors.
+of one), with the random draws of the forward pass (:mod:`dpcore_torch.draws`). This is the
+fallback for layers without a rule in :mod:`dpcore_torch.layers`, and with the whole model as
+f it is the ``mode="vmap"`` engine; a module whose own parameters are used only by
+broadcasting operations skips the replay (:mod:`dpcore_torch.taps`). Positional tensors must
+have the examples on axis 0 (0-d ones, e.g. a time step, are shared); keyword arguments are
+passed unchanged to every example (e.g. an attention mask shared by all), except PyTorch's
+per-example padding masks (``key_padding_mask``, ``src_key_padding_mask``, ...), which are
+split like positional tensors.
 Each replayed output must be a batch of one: an output with more rows would make example i's
 "gradient" depend on the other examples (a per-example tensor passed by keyword), and is
 refused.
