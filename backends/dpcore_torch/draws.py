@@ -21,12 +21,14 @@ gradient of the forward pass that was taken. While a fallback unit's call is rec
 
 The replay of example i takes, in call order, the draw's row i where the draw has the batch
 on axis 0 (its replayed shape is (1, ...) where the recorded one was (B, ...)), and the whole
-draw where it is shared by the batch (the replayed shape is the recorded one). A replay that
-asks for other draws (another number, function or shape) raises rather than guess. An
-in-place draw on a tensor the replay cannot fill per example (``torch.empty(...)``, not
-derived from the batch) is returned by the call, and the tensor is filled with NaN: code
-that uses the return value (as stochastic depth does) runs as recorded, and code that
-ignores it gives a non-finite gradient, which dpcore refuses, never a wrong one.
+draw where it is shared by the batch (the replayed shape is the recorded one). Row i is
+example i's only while the forward pass keeps each example in its row
+(:mod:`dpcore_torch.rows`): a draw of B rows made, or used, after an operation that may move
+rows (a sort of the batch, a transpose of axis 0) is refused at the replay, as is a replay
+that asks for other draws (another number, function or shape): dpcore raises rather than
+guess. An in-place draw on a tensor the replay cannot fill per example (``torch.empty(...)``,
+not derived from the batch) is returned by the call; any later use of the tensor itself is
+refused, so code that uses the return value (as stochastic depth does) runs as recorded.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import inspect
 import math
 import threading
 import types
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -123,12 +126,15 @@ def _attention_weights(q, k, attn_mask, is_causal, scale, enable_gqa):
         k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
     scores = (q * s) @ (k * s).transpose(-2, -1)
     if is_causal:
+        if attn_mask is not None:
+            raise RuntimeError("scaled_dot_product_attention: an explicit attn_mask should "
+                               "not be set when is_causal=True (PyTorch's rule)")
         attn_mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool,
                                device=q.device).tril()
     if attn_mask is not None:
         scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
                   else scores + attn_mask)
-    return torch.softmax(scores, dim=-1)
+    return torch._safe_softmax(scores, -1)  # a row masked everywhere gives 0, as ATen's
 
 
 def _attend(weights, value, q, enable_gqa, z, p):
@@ -203,61 +209,118 @@ class _Draws(TorchFunctionMode):
 class Recorder(_Draws):
     """Active while fallback calls are recorded: draws each random operation's noise and
     appends it to the draws of every call being recorded (a fallback inside a fallback
-    replays within the outer one), and shows every call's result to the calls' taps
-    (:class:`dpcore_torch.taps.Taps`)."""
+    replays within the outer one), and shows every operation to the calls' row trackers
+    (:class:`dpcore_torch.rows.Rows`) and taps (:class:`dpcore_torch.taps.Taps`), except
+    inside a rule layer's forward (:func:`opaque`). A draw is *aligned* where its row i is
+    known to be example i's: made on a rowwise tensor, or inside a rule layer or
+    ``F.multi_head_attention_forward``, whose layouts are known."""
 
     def __init__(self):
         super().__init__()
-        self.lists: list[list] = []
-        self.taps: list = []
+        self.active: list[Recording] = []
+        self.suspended = 0  # inside rule layers' forwards (and composites)
 
     def after(self, func, args, kwargs, out):
-        for taps in self.taps:
-            out = taps.observe(func, args, kwargs, out)
+        if not self.suspended:
+            for call in self.active:
+                if call.taps is not None:
+                    out = call.taps.observe(func, args, kwargs, out)
+                call.rows.observe(func, args, kwargs, out)
         return out
 
-    def keep(self, func, draw):
-        for draws in self.lists:
-            draws.append((func, draw))
+    def keep(self, func, draw, x=None):
+        for call in self.active:
+            aligned = bool(self.suspended) or (x is not None and call.rows.rowwise(x))
+            call.draws.append((func, draw, aligned))
 
     def dropout(self, func, x, p, inplace):
         z = x.new_empty(_noise_shape(func, x)) if _DROPOUTS[func][0] else torch.empty_like(x)
         z.bernoulli_(1 - p)
-        self.keep(func, z.bool())
+        self.keep(func, z.bool(), x)
         return _apply_dropout(func, x, z, p, inplace)
 
     def attention(self, q, k, v, mask, p, causal, scale, gqa):
         w = _attention_weights(q, k, mask, causal, scale, gqa)
         z = torch.empty_like(w).bernoulli_(1 - p)
-        self.keep(F.scaled_dot_product_attention, z.bool())
+        self.keep(F.scaled_dot_product_attention, z.bool(), q)
         return _attend(w, v, q, gqa, z, p)
 
     def value(self, func, args, kwargs):
         out = func(*args, **kwargs)
-        self.keep(func, out.detach().clone() if func in _IN_PLACE else out.detach())
+        self.keep(func, out.detach().clone())  # a copy: the caller may change out in place
+        for call in self.active:  # so that a reordering of its rows is seen
+            call.rows.mark(out)
         return out
+
+    def multi_head_attention(self, args, kwargs):
+        self.suspended += 1  # its own code: the layout of its draws is known
+        try:
+            return super().multi_head_attention(args, kwargs)
+        finally:
+            self.suspended -= 1
+
+
+def enter_opaque(module, args) -> None:
+    """Forward pre-hook of a layer known to keep each example in its row whose own code
+    moves the batch axis (``nn.MultiheadAttention``, ``batch_first``: checked by the
+    engine): its operations are not followed (:func:`leave_opaque` after it)."""
+    recorder = getattr(_state, "recorder", None)
+    if recorder is not None:
+        recorder.suspended += 1
+
+
+def leave_opaque(module, args, out) -> None:
+    """Forward hook closing :func:`enter_opaque`: the outputs are rowwise where an input
+    is."""
+    recorder = getattr(_state, "recorder", None)
+    if recorder is not None and recorder.suspended:
+        recorder.suspended -= 1
+        if not recorder.suspended:
+            for call in recorder.active:
+                call.rows.observe_opaque(args, out)
+
+
+def opaque(run, args):
+    """``run()``, a rule layer's forward on ``args``: its operations are not shown to the
+    row trackers and taps, and its tensor outputs of B rows are rowwise where a tensor of
+    ``args`` is (a rule keeps each example in its row)."""
+    recorder = getattr(_state, "recorder", None)
+    if recorder is None:
+        return run()
+    recorder.suspended += 1
+    try:
+        out = run()
+    finally:
+        recorder.suspended -= 1
+    if not recorder.suspended:
+        for call in recorder.active:
+            call.rows.observe_opaque(args, out)
+    return out
 
 
 @torch.no_grad()
 def _fill(target, value):
-    """The target of an in-place draw, holding the kept value; or the value, the target
-    filled with NaN, where the target is not derived from the batch and so cannot hold one
-    example's row under ``vmap``."""
+    """Whether the target of an in-place draw could take the kept value (it cannot where it
+    is not derived from the batch, and so cannot hold one example's row under ``vmap``)."""
     try:
-        return target.copy_(value)
+        target.copy_(value)
     except RuntimeError:
-        target.fill_(float("nan"))
-        return value
+        return False
+    return True
 
 
 class Replayer(_Draws):
     """Active while a fallback call is replayed for example ``index`` (a 0-d tensor, batched
-    under ``vmap``): gives each random operation the recorded draw, in order."""
+    under ``vmap``): gives each random operation the recorded draw, in order. ``lost``: the
+    operation where the recorded call lost track of its rows (:mod:`dpcore_torch.rows`), or
+    None."""
 
-    def __init__(self, draws, batch: int, index, module: str):
+    def __init__(self, draws, batch: int, index, module: str, lost: str | None = None):
         super().__init__()
         self.draws, self.batch, self.index, self.module = draws, batch, index, module
-        self.n = 0
+        self.lost, self.n = lost, 0
+        self.unfilled: dict[int, weakref.ref] = {}  # in-place draws' targets left empty
+        self._pending = None
 
     def take(self, func, shape):
         """The recorded draw for the next random call, ``func`` asking for ``shape``: its row
@@ -267,15 +330,22 @@ class Replayer(_Draws):
                 f"the replay of {self.module} on one example called {_name(func)} after the "
                 f"{len(self.draws)} random draw(s) of its recorded call: how many it draws "
                 f"depends on the batch (or its data), and dpcore cannot replay that")
-        kept, draw = self.draws[self.n]
+        kept, draw, aligned = self.draws[self.n]
         self.n += 1
         if kept is not func and not (func in _DROPOUTS and kept in _DROPOUTS):
             raise ReplayMismatchError(
                 f"the replay of {self.module} on one example called {_name(func)} where its "
                 f"recorded call drew with {_name(kept)} (random draw {self.n})")
         if tuple(draw.shape) == shape:
-            return draw
+            return draw.clone()  # the replay may change it in place
         if draw.dim() and draw.shape[0] == self.batch and shape == (1, *draw.shape[1:]):
+            if not aligned and self.lost is not None:
+                raise ReplayMismatchError(
+                    f"{self.module}'s forward pass drew {_name(func)} of {self.batch} rows "
+                    f"after {self.lost} (or before it, for use after it), an operation "
+                    f"dpcore does not know to keep each example in its row: it cannot tell "
+                    f"which row of the draw was example i's, so it cannot replay it. Keep "
+                    f"the examples on axis 0 of the tensors around random draws")
             return draw.index_select(0, self.index.view(1))
         raise ReplayMismatchError(
             f"the replay of {self.module} on one example drew {_name(func)} of shape "
@@ -290,6 +360,21 @@ class Replayer(_Draws):
                 f"the replay of {self.module} on one example made {self.n} random draw(s) "
                 f"where its recorded call made {len(self.draws)}")
 
+    def after(self, func, args, kwargs, out):
+        if self.unfilled:
+            for t in list(args) + list(kwargs.values()):
+                ref = self.unfilled.get(id(t))
+                if ref is not None and ref() is t:
+                    raise ReplayMismatchError(
+                        f"{self.module} uses a tensor after drawing into it in place, which "
+                        f"dpcore cannot replay per example (the tensor, made apart from the "
+                        f"batch, cannot hold one example's row): use the value the in-place "
+                        f"call returns (noise = noise.bernoulli_(p)), or draw out of place")
+        if self._pending is not None:
+            self.unfilled[id(self._pending)] = weakref.ref(self._pending)
+            self._pending = None
+        return out
+
     def dropout(self, func, x, p, inplace):
         z = self.take(func, _noise_shape(func, x)).to(x.dtype)
         return _apply_dropout(func, x, z, p, inplace)
@@ -302,7 +387,12 @@ class Replayer(_Draws):
     def value(self, func, args, kwargs):
         value = self.take(func, _value_shape(func, args, kwargs)).to(
             _value_dtype(func, args, kwargs))
-        return _fill(args[0], value) if func in _IN_PLACE else value
+        if func not in _IN_PLACE:
+            return value
+        if _fill(args[0], value):
+            return args[0]
+        self._pending = args[0]  # left empty: any later use of it is refused
+        return value
 
 
 def _name(func) -> str:
@@ -311,12 +401,12 @@ def _name(func) -> str:
 
 
 class Recording:
-    """Context of a fallback call being recorded: its random draws go to ``draws`` (a list)
-    and the calls of its forward pass are shown to ``taps`` (or None). One
-    :class:`Recorder` serves nested recordings, so each draw is made once."""
+    """Context of a fallback call being recorded: its random draws go to ``draws`` (a list
+    of (function, draw, aligned)), and its operations are shown to ``rows`` and ``taps``
+    (or None). One :class:`Recorder` serves nested recordings, so each draw is made once."""
 
-    def __init__(self, draws: list, taps=None):
-        self.draws, self.taps = draws, [] if taps is None else [taps]
+    def __init__(self, draws: list, rows, taps=None):
+        self.draws, self.rows, self.taps = draws, rows, taps
 
     def __enter__(self):
         recorder = getattr(_state, "recorder", None)
@@ -324,14 +414,12 @@ class Recording:
         if self.outermost:
             recorder = _state.recorder = Recorder()
             recorder.__enter__()
-        recorder.lists.append(self.draws)
-        recorder.taps += self.taps
+        recorder.active.append(self)
         return self
 
     def __exit__(self, *exc):
         recorder = _state.recorder
-        recorder.lists.pop()
-        del recorder.taps[len(recorder.taps) - len(self.taps):]
+        recorder.active.pop()
         if self.outermost:
             _state.recorder = None
             recorder.__exit__(*exc)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .attention import ATTENTION_RULES
+from .draws import enter_opaque, leave_opaque, opaque
 from .fallback import FallbackUnit, recording
 from .instrumentation import forget, instrumentation
 from .layers import (PREFERENCES, RULES, AccumulationError, NotPerExampleError, Rule,
@@ -111,7 +112,7 @@ class _RuleUnit:
             if not args and "input" in kwargs:  # layer(input=x)
                 args, kwargs = (kwargs["input"],), {k: v for k, v in kwargs.items()
                                                     if k != "input"}
-            return rule.forward(module, self.calls, args, kwargs)
+            return opaque(lambda: rule.forward(module, self.calls, args, kwargs), args)
 
         module.forward = forward
         instrumentation(module).added.add("forward")
@@ -170,10 +171,15 @@ class PerExampleEngine:
         self._handles += [p.register_hook(self._leak_detector(leaf))
                           for leaf, p in self.params.items()]
         for name, sub in module.named_modules():
+            hooks = []
             if isinstance(sub, nn.modules.batchnorm._BatchNorm):
-                handle = sub.register_forward_pre_hook(_refuse_training_batchnorm(name))
-                instrumentation(sub).hooks.append(handle)
-                self._handles.append(handle)
+                hooks.append(sub.register_forward_pre_hook(_refuse_training_batchnorm(name)))
+            if isinstance(sub, nn.MultiheadAttention):  # its code transposes the batch axis
+                hooks += [sub.register_forward_pre_hook(enter_opaque),
+                          sub.register_forward_hook(leave_opaque)]
+            if hooks:
+                instrumentation(sub).hooks.extend(hooks)
+                self._handles += hooks
         module._dpcore_engine = True
         instrumentation(module).added.add("_dpcore_engine")
 

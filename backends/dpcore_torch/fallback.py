@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .draws import Recording, Replayer, ReplayMismatchError
 from .instrumentation import instrumentation
 from .layers import birth, cast_to, keep_rows, late_backward, tick
+from .rows import Rows
 from .taps import Kept, Taps
 
 _state = threading.local()
@@ -64,13 +65,15 @@ def _replay():
 
 class Call:
     """One call of a fallback module: positional args, keyword args, the random draws made in
-    it (:mod:`dpcore_torch.draws`), and the backprops of its floating-point tensor outputs
-    (None until the backward pass reaches them)."""
+    it (:mod:`dpcore_torch.draws`) and where it lost track of its rows (:mod:`dpcore_torch.
+    rows`; ``draws`` is the pair), its taps, and the backprops of its floating-point tensor
+    outputs (None until the backward pass reaches them)."""
 
-    __slots__ = ("args", "kwargs", "draws", "taps", "g", "cache", "born", "reached_at")
+    __slots__ = ("args", "kwargs", "draws", "lost", "taps", "g", "cache", "born",
+                 "reached_at")
 
     def __init__(self, args, kwargs, draws, taps, n_outputs):
-        self.args, self.kwargs, self.draws, self.taps = args, kwargs, draws, taps
+        (self.draws, self.lost), self.args, self.kwargs, self.taps = draws, args, kwargs, taps
         self.g = [None] * n_outputs
         self.cache = None
         self.born, self.reached_at = birth(), None
@@ -200,7 +203,10 @@ class FallbackUnit:
             finally:
                 self._depth -= 1
         batch = next((a.shape[0] for a in args if _batched(a)), None)
-        taps = Taps(batch) if self._tapped and batch is not None else None
+        rows = Rows(-1 if batch is None else batch,
+                    [a for a in args if _batched(a)]
+                    + [kwargs[k] for k in _per_example_keywords(kwargs, batch)])
+        taps = Taps(batch, rows) if self._tapped and batch is not None else None
         stops, swapped = {}, []
         for holder, attr, key in self._slots.values():
             p = holder._parameters[attr]
@@ -215,13 +221,13 @@ class FallbackUnit:
             swapped.append((holder, attr, p))
         self._depth, draws = 1, []
         try:
-            with Recording(draws, taps):
+            with Recording(draws, rows, taps):
                 out = plain(*args, **kwargs)
         finally:
             self._depth = 0
             for holder, attr, p in swapped:
                 holder._parameters[attr] = p
-        return self._record(args, kwargs, draws, taps, out)
+        return self._record(args, kwargs, (draws, rows.lost), taps, out)
 
     def _record(self, args, kwargs, draws, taps, out):
         """Keep the call's inputs (as the caller passed them: the replay runs pre-hooks
@@ -267,7 +273,7 @@ class FallbackUnit:
         dtype = next(iter(params.values())).dtype
         tapped = None if call.taps is None else call.taps.grads(dtype)
         if tapped is not None:
-            call.cache = tapped
+            call.cache, call.draws = tapped, []  # never replayed
             return call.cache
         if b == 0 or all(g is None for g in call.g):
             call.cache = {k: p.new_zeros((b, *p.shape)) for k, p in params.items()}
@@ -287,7 +293,7 @@ class FallbackUnit:
             for i, t in zip(positions, tensors):
                 full[i] = t.unsqueeze(0)
             kwargs = {**call.kwargs, **{k: t.unsqueeze(0) for k, t in zip(keywords, split)}}
-            draws = Replayer(call.draws, b, index, name)
+            draws = Replayer(call.draws, b, index, name, call.lost)
             with _replay(), draws if call.draws else nullcontext():
                 out = _float_tensors(functional_call(module, p, tuple(full), kwargs,
                                                      tie_weights=False))

@@ -16,13 +16,18 @@ summed over the parameter's uses. While a unit's call is recorded (the mode of
 :mod:`dpcore_torch.draws`), every operation taking one of its parameters is sorted: one whose
 result carries no gradient (a shape, a detached copy) is no use; one of the forms above keeps
 its operand and the backprop of its result; any other use (a matmul, an index, a
-concatenation of p itself) leaves the call to the replay. The replay also takes the call
-when the per-example gradients summed over the batch differ from the gradient the parameter
-received (a use dpcore could not see: a C++ extension inside an autograd Function), so a
-missed use makes a step slower, not wrong. Like every rule, this reads axis 0 as the batch.
+concatenation of p itself, an in-place change, a use without gradient such as one inside an
+autograd Function's forward) leaves the call to the replay. Row i of a backprop is example
+i's only if the forward pass keeps each example in its row after the operation: the call's
+rows are followed (:mod:`dpcore_torch.rows`), and a call that loses track of them (a
+transpose of axis 0, a sort of the batch) goes to the replay too. So does a call whose
+per-example gradients, summed over the batch, differ from the gradient the parameter
+received (a use dpcore could not see): a missed use makes a step slower, never wrong.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -31,6 +36,9 @@ _ADD = {torch.Tensor.add, torch.add, torch.Tensor.__add__, torch.Tensor.__radd__
 _SUB = {torch.Tensor.sub, torch.sub, torch.Tensor.__sub__}
 _MUL = {torch.Tensor.mul, torch.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
 _EXPAND = {torch.Tensor.expand, torch.Tensor.expand_as}
+_NO_USE = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.detach,
+           torch.Tensor.is_floating_point, torch.Tensor.__len__, torch.Tensor.stride,
+           torch.Tensor.element_size, torch.Tensor.is_contiguous}
 
 
 class Kept(torch.autograd.Function):
@@ -46,6 +54,15 @@ class Kept(torch.autograd.Function):
     def backward(ctx, g):
         ctx.keep(g)
         return g, None
+
+
+def _no_use(func) -> bool:
+    """Whether ``func`` reads no values of its argument (its shape, dtype, a detached
+    alias)."""
+    if type(func).__name__ == "method-wrapper":  # a property
+        return getattr(func.__self__, "__name__", "") not in {"T", "H", "mT", "mH", "real",
+                                                               "imag"}
+    return func in _NO_USE
 
 
 def _requires_grad(out) -> bool:
@@ -80,10 +97,11 @@ def _per_example(t, shape):
 
 
 class Taps:
-    """The uses of one fallback call's parameters, for a batch of ``batch`` examples."""
+    """The uses of one fallback call's parameters, for a batch of ``batch`` examples whose
+    rows ``rows`` (:class:`dpcore_torch.rows.Rows`) follows."""
 
-    def __init__(self, batch: int):
-        self.batch = batch
+    def __init__(self, batch: int, rows):
+        self.batch, self.rows = batch, rows
         self.keys, self.shapes, self.uses, self.received = {}, {}, {}, {}
         self.device = None
         self.complete = True  # every use seen is tapped
@@ -107,18 +125,20 @@ class Taps:
         nested = any(id(v) in self.keys for v in kwargs.values()) or any(
             isinstance(a, (list, tuple)) and any(id(t) in self.keys for t in a)
             for a in (*args, *kwargs.values()))
-        if not (positions or nested) or not _requires_grad(out):
-            return out  # no use, or none that carries a gradient
-        use = None if nested or len(positions) != 1 else self._form(func, args, kwargs, out,
-                                                                    positions[0])
-        if use is None:
-            self.complete = False
+        if not (positions or nested) or _no_use(func):
+            return out
+        use = None if nested or len(positions) != 1 or not _requires_grad(out) else \
+            self._form(func, args, kwargs, out, positions[0])
+        if use is None:  # any other use, a use without gradient (inside an autograd
+            self.complete = False  # Function's forward), or one in place
             return out
         key, use = use
         self.uses[key].append(use)
         if out._is_view():  # an expansion of the parameter: hooked through a copy
-            return Kept.apply(out, use.keep)
-        out.register_hook(use.keep)
+            out = Kept.apply(out, use.keep)
+        else:
+            out.register_hook(use.keep)
+        self.rows.mark(out)  # its rows are credited to the examples: followed from here
         return out
 
     def _form(self, func, args, kwargs, out, position):
@@ -147,14 +167,18 @@ class Taps:
 
     def grads(self, dtype):
         """{key: (B, *shape)} per-example gradients in ``dtype``, or None where the taps do
-        not account for the gradient every parameter received."""
-        if not self.complete:
+        not account for the gradient every parameter received, or the rows of the call
+        were not followed to the end (:class:`dpcore_torch.rows.Rows`)."""
+        if not self.complete or self.rows.lost is not None:
             return None
         out = {}
         for key, uses in self.uses.items():
             shape = self.shapes[key]
             total = torch.zeros((self.batch, *shape), dtype=dtype, device=self.device)
-            magnitude, terms, eps = total[0], 0, torch.finfo(dtype).eps
+            if self.batch == 0:
+                out[key] = total
+                continue
+            magnitude, terms, eps = torch.zeros_like(total[0]), 0, torch.finfo(dtype).eps
             for use in uses:
                 if use.g is not None:
                     t = use.g.to(dtype) * use.coefficient
@@ -164,7 +188,8 @@ class Taps:
                     magnitude = magnitude + _per_example(t.abs(), shape).sum(0)
                     terms += t.numel() // max(1, total[0].numel())
                     eps = max(eps, torch.finfo(use.g.dtype).eps)
-            if not _agrees(total, self.received[key], 2 * (terms + len(uses)) * eps * magnitude):
+            bound = 8 * math.sqrt(terms + len(uses)) * eps * magnitude
+            if not _agrees(total, self.received[key], bound):
                 return None
             out[key] = total
         return out
@@ -172,8 +197,9 @@ class Taps:
 
 def _agrees(total, received, bound) -> bool:
     """Whether the per-example gradients ``total`` (B, ...) are finite and sum to the
-    gradient the parameter ``received`` within ``bound`` (elementwise: the rounding of sums
-    of n terms, n eps sum |terms|, twice over, by whatever order autograd added them)."""
+    gradient the parameter ``received`` within ``bound`` (elementwise: 8 sqrt(n) eps
+    sum |terms| for sums of n terms, the rounding of sums in any order with room, not a
+    worst case; a disagreement only sends the call to the replay)."""
     if not bool(torch.isfinite(total).all()):
         return False
     summed = total.sum(0)

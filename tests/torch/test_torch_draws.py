@@ -156,13 +156,94 @@ def test_draws_the_replay_cannot_match_are_refused(form):
         engine.per_example_grads()
 
 
-def test_an_in_place_draw_whose_result_is_ignored_gives_no_finite_gradient():
-    """The replay cannot fill a tensor made apart from the batch per example: it is NaN, so
-    code that uses it instead of the call's result is caught, not given a wrong gradient."""
+def test_an_in_place_draw_whose_result_is_ignored_is_refused():
+    """The replay cannot fill a tensor made apart from the batch per example, and hands
+    the draw on as the call's result: a later use of the tensor itself is refused."""
     model = Drawing("ignored")
     engine = PerExampleEngine(model, loss_reduction="sum")
     model(torch.randn(3, 4)).sum().backward()
-    assert torch.isnan(engine.per_example_grads()["w"]).all()
+    with pytest.raises(ReplayMismatchError, match="uses a tensor after drawing into it"):
+        engine.per_example_grads()
+
+
+class Moved(nn.Module):
+    """Random draws around operations that move the examples' rows."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        h = x @ self.w
+        if self.form == "sorted":  # a draw on the sorted batch: its row i is not example i's
+            order = h[:, 0].argsort()
+            return F.dropout(h[order], 0.5)[order.argsort()]
+        if self.form == "time-major":  # (T, B, D) with T == B
+            t = h.view(-1, 2, 2).transpose(0, 1)
+            return F.dropout(t, 0.5).transpose(0, 1).flatten(1)
+        if self.form == "noise then sort":  # drawn in order, used on the sorted batch
+            noise = torch.rand(x.shape[0], 1)
+            order = h[:, 0].argsort()
+            return (h[order] * noise)[order.argsort()]
+        if self.form == "changed in place":  # a kept draw the caller changes afterwards
+            noise = torch.randn(x.shape[0], 4)
+            noise.mul_(0.5).add_(1.0)
+            return h * noise
+        raise ValueError(self.form)
+
+
+@pytest.mark.parametrize("form", ["sorted", "time-major", "noise then sort"])
+def test_draws_whose_rows_may_not_be_the_examples_are_refused(form):
+    torch.manual_seed(4)
+    model = Moved(form)
+    engine = PerExampleEngine(model, loss_reduction="sum")
+    model(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(ReplayMismatchError, match="cannot tell"):
+        engine.per_example_grads()
+
+
+def test_a_kept_draw_changed_in_place_by_the_forward_is_replayed_as_drawn():
+    torch.manual_seed(5)
+    model = Moved("changed in place").double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    engine = PerExampleEngine(model, loss_reduction="sum")
+    torch.manual_seed(SEED)
+    (model(x) ** 2).sum().backward()
+    got = engine.per_example_grads()
+    engine.detach()
+    assert torch.allclose(got["w"], oracle(model, x)["w"], rtol=1e-10)
+
+
+def test_attention_dropout_follows_pytorchs_rules():
+    """A query row masked everywhere gives zeros, as ATen's kernel does (not NaN), and an
+    explicit mask with is_causal=True is refused, as by PyTorch."""
+    torch.manual_seed(6)
+    q = torch.randn(2, 2, 3, 4)
+    mask = torch.ones(3, 3, dtype=torch.bool)
+    mask[1] = False
+
+    class Attend(nn.Module):
+        def __init__(self, causal_and_mask=False):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(4))
+            self.causal_and_mask = causal_and_mask
+
+        def forward(self, x):
+            return F.scaled_dot_product_attention(x * self.scale, x, x, mask, 0.3,
+                                                  is_causal=self.causal_and_mask)
+
+    torch.manual_seed(SEED)
+    plain = Attend()(q)
+    model = Attend()
+    PerExampleEngine(model)
+    torch.manual_seed(SEED)
+    out = model(q)
+    assert not out.isnan().any() and torch.allclose(out, plain)
+    model = Attend(causal_and_mask=True)
+    PerExampleEngine(model)
+    with pytest.raises(RuntimeError, match="attn_mask should not be set when is_causal"):
+        model(q)
 
 
 def test_a_random_operation_dpcore_does_not_keep_is_refused_with_the_list():

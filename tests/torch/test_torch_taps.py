@@ -80,10 +80,11 @@ class Model(nn.Module):
 
 
 def oracle(model, x):
-    names = [n for n, _ in model.named_parameters()]
-    rows = [torch.autograd.grad((model(x[i:i + 1]) ** 2).sum(), list(model.parameters()))
-            for i in range(x.shape[0])]
-    return {n: torch.stack([r[k] for r in rows]) for k, n in enumerate(names)}
+    named = list(model.named_parameters())
+    rows = [torch.autograd.grad((model(x[i:i + 1]) ** 2).sum(), [p for _, p in named],
+                                allow_unused=True) for i in range(x.shape[0])]
+    return {n: torch.stack([torch.zeros_like(p) if r[k] is None else r[k] for r in rows])
+            for k, (n, p) in enumerate(named)}
 
 
 def per_example(model, x):
@@ -120,6 +121,57 @@ def test_taps_stay_within_rounding_in_float32():
     expected = oracle(copy.deepcopy(model).double(), x.double())
     for n, e in expected.items():
         assert torch.allclose(got[n].double(), e, rtol=1e-4, atol=1e-5 * e.abs().max()), n
+
+
+class Moving(nn.Module):
+    """A bias added where axis 0 is not the batch, or after the batch is reordered: row i of
+    the backprop there is not example i's, so the taps must not credit it to example i."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+        self.bias = nn.Parameter(torch.randn(D))
+        self.gain = nn.Parameter(torch.randn(1))
+        self.head = nn.Linear(D, 2)
+
+    def forward(self, x):  # x (B, T, D) with B == T
+        if self.form == "time-major":
+            h = torch.tanh(x.transpose(0, 1) + self.bias).transpose(0, 1)
+        elif self.form == "sorted":
+            order = x[:, 0, 0].argsort()
+            h = torch.tanh(x[order] + self.bias)[order.argsort()]
+        elif self.form == "heads":  # the gain expanded over B == H heads, not the batch
+            h = x * self.gain.expand(x.shape[1], 1, 1).transpose(0, 1)
+        elif self.form == "set in place":  # the parameter written into the activations
+            h = x.clone()
+            h[:, :, 0] = self.gain
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("form", ["time-major", "sorted", "heads", "set in place"])
+def test_uses_whose_rows_are_not_the_examples_go_to_the_replay(form):
+    """Each example's gradient depends on its own record only (a change of record 3 leaves
+    example 0's gradient as the oracle has it), in float32 too."""
+    torch.manual_seed(3)
+    for dtype in (torch.float64, torch.float32):
+        model = Moving(form).to(dtype)
+        x = torch.randn(T, T, D, dtype=dtype)
+        expected = oracle(copy.deepcopy(model).double(), x.double())
+        engine = PerExampleEngine(model, loss_reduction="sum")
+        (model(x) ** 2).sum().backward()
+        (unit,) = [u for u in engine.units if isinstance(u, FallbackUnit)]
+        assert unit.calls[0].taps.grads(dtype) is None
+        got = engine.per_example_grads()
+        for n, e in expected.items():
+            assert torch.allclose(got[n].double(), e, rtol=1e-5, atol=1e-6), (n, dtype)
+
+
+def test_an_empty_batch_gives_empty_gradients():
+    model = Model("broadcast")
+    engine = PerExampleEngine(model, loss_reduction="sum")
+    model(torch.randn(0, T, 3)).sum().backward()
+    got = engine.per_example_grads()
+    assert all(g.shape[0] == 0 for g in got.values())
 
 
 def test_a_dropped_record_sends_the_call_to_the_replay():

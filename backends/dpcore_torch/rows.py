@@ -1,0 +1,314 @@
+"""Which tensors of a fallback unit's forward pass keep each example in its row, so that row
+i of a tensor can be credited to example i: by the taps (:mod:`dpcore_torch.taps`), whose
+per-example gradients are rows of backprops, and by the replay of random draws
+(:mod:`dpcore_torch.draws`), which gives example i row i of each draw.
+
+The unit's positional inputs have the examples on axis 0 (the fallback's contract): they
+are *rowwise*, row i depending on example i alone. The mode that records the call shows
+every operation to a :class:`Rows`. An operation with a rowwise argument gives rowwise
+results if it keeps rows apart: elementwise operations with the rowwise operands aligned on
+axis 0, reductions and softmaxes over other axes, views and reshapes that keep axis 0 (its
+size unchanged, C order), indexing whose first index is ``:``, concatenation along another
+axis, ``F.linear``/``matmul`` with the rowwise operand on the left (or batched on both
+sides), convolutions, pooling, per-example normalisation, embedding lookups and attention.
+Any other operation on a rowwise tensor (a transpose of axis 0, a sort of the rows, a
+flatten of the positions into the batch axis, ``.item()``) *loses track* of the call, and
+its name is kept for messages. Tensors made without rowwise arguments (parameters,
+constants, factories) depend on no example and may enter those operations freely. With one
+example (B = 1) every tensor is that example's.
+
+A lost call is never wrong, only slower: the taps leave it to the replay, and the replay
+refuses draws of B rows it can no longer tell apart.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+_NAMESPACES = (torch, torch.Tensor, torch._C.TensorBase, F, torch.special)
+
+
+def _funcs(*names):
+    """Every function object the torch function mode may see under these names."""
+    found = set()
+    for name in names:
+        for space in _NAMESPACES:
+            f = getattr(space, name, None)
+            if callable(f):
+                found.add(f)
+    return found
+
+
+_ELEMENTWISE_NAMES = """add sub subtract mul multiply div divide true_divide floor_divide remainder
+fmod pow float_power neg negative abs absolute sqrt rsqrt exp exp2 expm1 log log1p log2 log10
+sin cos tan asin acos atan atan2 sinh cosh tanh asinh acosh atanh sigmoid logit relu relu6
+gelu silu mish softplus softsign elu selu celu leaky_relu hardtanh hardsigmoid hardswish
+logsigmoid tanhshrink threshold hardshrink softshrink prelu clamp clamp_min clamp_max clip
+where maximum minimum fmax fmin lerp addcmul addcdiv reciprocal sign sgn square erf erfc erfinv
+floor ceil round trunc frac logical_and logical_or logical_not logical_xor bitwise_and
+bitwise_or bitwise_xor bitwise_not eq ne lt le gt ge greater less greater_equal less_equal
+not_equal isnan isinf isfinite isposinf isneginf nan_to_num masked_fill copy_ fill_ zero_ to
+type type_as float double half bfloat16 long int bool contiguous clone detach detach_
+requires_grad_ dropout alpha_dropout feature_alpha_dropout dropout1d dropout2d dropout3d
+feature_dropout xlogy hypot sinc deg2rad rad2deg heaviside copysign nextafter positive
+__add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__ __truediv__
+__rtruediv__ __itruediv__ __div__ __rdiv__ __floordiv__ __rfloordiv__ __mod__ __rmod__
+__pow__ __rpow__ __ipow__ __neg__ __pos__ __abs__ __and__ __or__ __xor__ __invert__ __eq__
+__ne__ __lt__ __le__ __gt__ __ge__ __iand__ __ior__ __ixor__ bernoulli uniform_ normal_
+exponential_ random_ geometric_ cauchy_ log_normal_""".split()
+_ELEMENTWISE = _funcs(*_ELEMENTWISE_NAMES, *(n + "_" for n in _ELEMENTWISE_NAMES
+                                             if not n.startswith("_")))
+# input rowwise (the first argument), the others shared: the least rank of a batched input
+_PER_EXAMPLE = {}
+for _names, _rank in ((("linear",), 2), (("conv1d", "conv_transpose1d"), 3),
+                      (("conv2d", "conv_transpose2d", "pixel_shuffle", "pixel_unshuffle"), 4),
+                      (("conv3d", "conv_transpose3d"), 5),
+                      (("max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices",
+                        "max_pool2d_with_indices", "max_pool3d_with_indices", "avg_pool1d",
+                        "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d",
+                        "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d",
+                        "adaptive_max_pool2d", "adaptive_max_pool3d", "lp_pool1d",
+                        "lp_pool2d", "group_norm"), 2),
+                      (("interpolate", "upsample", "instance_norm", "local_response_norm"), 3),
+                      (("embedding", "one_hot"), 1)):
+    _PER_EXAMPLE.update(dict.fromkeys(_funcs(*_names), _rank))
+_NORMS = _funcs("layer_norm", "rms_norm")  # normalised over trailing axes, not axis 0
+# a dim that must not be 0: (position of the argument, its default)
+_ALONG_DIM = {}
+for _names, _at in ((("softmax", "log_softmax", "softmin", "cumsum", "cumprod",
+                      "logcumsumexp", "cummax", "cummin", "narrow", "select", "unflatten"),
+                     (1, None)),
+                    (("glu", "argsort", "sort"), (1, -1)), (("unbind",), (1, 0)),
+                    (("split", "chunk", "tensor_split", "split_with_sizes"), (2, 0)),
+                    (("topk", "kthvalue"), (2, -1)), (("normalize",), (2, 1))):
+    _ALONG_DIM.update(dict.fromkeys(_funcs(*_names), _at))
+# reductions: dims that must be given and exclude 0, at this position
+_REDUCTIONS = dict.fromkeys(_funcs(
+    "sum", "mean", "amax", "amin", "max", "min", "prod", "logsumexp", "var", "std",
+    "var_mean", "std_mean", "median", "nanmedian", "all", "any", "argmax", "argmin",
+    "count_nonzero", "nansum", "nanmean", "aminmax"), 1)
+_REDUCTIONS.update(dict.fromkeys(_funcs("norm", "vector_norm"), 2))
+_SAME_ROWS = _funcs("view", "reshape", "expand", "squeeze", "broadcast_to", "flatten",
+                    "unsqueeze", "repeat", "pad")
+_SHAPED_LIKE = _funcs("view_as", "reshape_as", "expand_as")  # the second only gives a shape
+_TRANSPOSES = _funcs("transpose", "swapaxes", "swapdims", "movedim", "moveaxis", "permute",
+                     "flip", "roll")
+_JOINS = _funcs("cat", "concat", "concatenate", "stack")
+_PRODUCTS = _funcs("matmul", "bmm", "mm", "__matmul__", "baddbmm", "addmm")
+_FACTORIES = _funcs("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor",
+                    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like",
+                    "randn_like", "randint_like")
+_METADATA = _funcs("size", "dim", "numel", "nelement", "is_floating_point", "is_complex",
+                   "element_size", "is_contiguous", "stride", "storage_offset", "__len__",
+                   "get_device", "has_names", "is_shared", "is_pinned", "_is_view",
+                   "register_hook", "retain_grad", "is_set_to", "__hash__", "__format__",
+                   "__repr__", "__str__")
+_GETITEM = _funcs("__getitem__")
+_SETITEM = _funcs("__setitem__")
+_VIEW_GETTERS = {"mT": 3, "mH": 3, "data": 1, "real": 1, "imag": 1}  # name: least rank
+_DATA_GETTERS = {"T", "H", "grad"}  # properties whose value moves or mixes rows
+
+
+def _name(func) -> str:
+    owner = getattr(func, "__self__", None)
+    if type(func).__name__ == "method-wrapper" and owner is not None:
+        return f"Tensor.{owner.__name__}"
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    return []
+
+
+def _dims(value, ndim: int) -> set[int] | None:
+    """The axes named by ``value`` (an int or a sequence), made non-negative."""
+    if value is None:
+        return None
+    values = [value] if isinstance(value, int) else list(value)
+    return {v % ndim if ndim else 0 for v in values}
+
+
+class Rows:
+    """The rowwise tensors of one recorded call of a unit, for a batch of ``batch``."""
+
+    def __init__(self, batch: int, inputs=()):
+        self.batch, self.lost = batch, None
+        self._rows: dict[int, weakref.ref] = {}
+        for t in inputs:
+            self.mark(t)
+
+    def mark(self, t) -> None:
+        if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == self.batch:
+            self._rows[id(t)] = weakref.ref(t)
+
+    def rowwise(self, t) -> bool:
+        ref = self._rows.get(id(t))
+        return ref is not None and ref() is t
+
+    def observe(self, func, args, kwargs, out) -> None:
+        """Follow one operation of the call (``out``: what the caller gets)."""
+        if self.lost is not None or self.batch <= 1:
+            return
+        rowwise = [t for t in _tensors(list(args) + list(kwargs.values())) if self.rowwise(t)]
+        if not rowwise or func in _METADATA or func in _FACTORIES:
+            return  # no example's values reach the result
+        if type(func).__name__ == "method-wrapper":  # a property: x.shape, x.mT, x.data
+            name = getattr(func.__self__, "__name__", "")
+            if name not in _VIEW_GETTERS and name not in _DATA_GETTERS:
+                return  # metadata: shape, dtype, device, ...
+        if func in _SETITEM:
+            out = args[0]  # the target, changed in place
+        if not self._keeps_rows(func, args, kwargs, _tensors(out), rowwise):
+            self.lost = _name(func)
+            return
+        for t in _tensors(out):
+            self.mark(t)
+
+    def observe_opaque(self, args, out) -> None:
+        """A rule layer's call: its outputs of B rows are rowwise where an input is."""
+        if self.lost is None and any(self.rowwise(t) for t in _tensors(list(args))):
+            for t in _tensors(out):
+                self.mark(t)
+
+    def _keeps_rows(self, func, args, kwargs, outs, rowwise) -> bool:
+        if not outs or any(o.dim() == 0 or o.shape[0] != self.batch for o in outs):
+            return False  # a value (.item(), a bool) or rows gone: the examples may mix
+        first, ndim = args[0] if args else None, outs[0].dim()
+        alone = len(rowwise) == 1 and rowwise[0] is first  # the first argument, alone
+        if type(func).__name__ == "method-wrapper":
+            least = _VIEW_GETTERS.get(getattr(func.__self__, "__name__", ""))
+            return least is not None and first.dim() >= least
+        if func in _ELEMENTWISE:
+            return all(t.dim() == ndim for t in rowwise)
+        if func in _PER_EXAMPLE:
+            return alone and first.dim() >= _PER_EXAMPLE[func]
+        if func in _NORMS:
+            shape = kwargs.get("normalized_shape", _arg(args, 1))
+            shape = [shape] if isinstance(shape, int) else shape
+            return alone and len(shape) < first.dim()
+        if func in _ALONG_DIM:
+            at, default = _ALONG_DIM[func]
+            dim = kwargs.get("dim", _arg(args, at, default))
+            return alone and isinstance(dim, int) and dim % first.dim() != 0
+        if func in _REDUCTIONS:
+            dim = kwargs.get("dim", _arg(args, _REDUCTIONS[func]))
+            return (alone and isinstance(dim, (int, list, tuple)) and len(_listed(dim)) > 0
+                    and 0 not in _axes(dim, first.dim()))
+        if func in _SAME_ROWS:
+            return alone and _keeps_axis0(func, args, kwargs, first, outs[0])
+        if func in _SHAPED_LIKE:  # rows of the first, or copies of a shared tensor
+            return (not any(t is first for t in rowwise)
+                    or (first.dim() > 0 and first.shape[0] == outs[0].shape[0]))
+        if func in _TRANSPOSES:
+            return alone and _fixes_axis0(func, args, kwargs, first.dim())
+        if func in _JOINS:
+            dim = kwargs.get("dim", _arg(args, 1, 0))
+            rank = ndim - (func in _funcs("stack"))
+            return (isinstance(dim, int) and dim % ndim != 0
+                    and all(t.dim() == rank for t in rowwise))
+        if func in _PRODUCTS:
+            return _product_keeps_rows(func, args, rowwise, ndim)
+        if func is F.scaled_dot_product_attention:
+            return all(t.dim() >= 3 and t.dim() == ndim for t in rowwise)
+        if func in _GETITEM:
+            return alone and _index_keeps_axis0(args[1], first.dim())
+        if func in _SETITEM:
+            value, region = args[2], first[args[1]]
+            return (_index_keeps_axis0(args[1], first.dim())
+                    and all(t is first or (t is value and t.dim() == region.dim())
+                            for t in rowwise))
+        return False
+
+
+def _arg(args, i, default=None):
+    return args[i] if len(args) > i else default
+
+
+def _listed(value):
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _axes(value, ndim: int) -> set[int]:
+    """The axes named by ``value`` (an int or a sequence), made non-negative."""
+    return {v % ndim if ndim else 0 for v in _listed(value)}
+
+
+def _keeps_axis0(func, args, kwargs, x, out) -> bool:
+    """A view, reshape, flatten, squeeze, unsqueeze, expansion or padding whose axis 0 is
+    the input's (a reshape in C order that keeps the first size keeps the rows)."""
+    if out.shape[0] != x.shape[0]:
+        return False
+    if func in _funcs("flatten"):
+        return kwargs.get("start_dim", _arg(args, 1, 0)) % x.dim() != 0
+    if func in _funcs("unsqueeze"):
+        return kwargs.get("dim", _arg(args, 1)) % out.dim() != 0
+    if func in _funcs("squeeze"):
+        dim = kwargs.get("dim", _arg(args, 1))
+        return dim is None or 0 not in _axes(dim, x.dim())
+    if func in _funcs("repeat"):
+        sizes = list(args[1:]) if isinstance(_arg(args, 1), int) else list(_arg(args, 1, ()))
+        return len(sizes) == x.dim() and sizes[0] == 1
+    if func in _funcs("pad"):
+        return len(kwargs.get("pad", _arg(args, 1, ()))) // 2 < x.dim()
+    return True  # view, reshape, expand, broadcast_to
+
+
+def _fixes_axis0(func, args, kwargs, ndim: int) -> bool:
+    """A transpose, permutation, flip or roll that leaves axis 0 where it is."""
+    if func in _funcs("permute"):
+        order = kwargs.get("dims", list(args[1:]))
+        if len(order) == 1 and not isinstance(order[0], int):
+            order = list(order[0])
+        return order[0] % ndim == 0
+    if func in _funcs("flip"):
+        dims = kwargs.get("dims", list(args[1:]))
+        if len(dims) == 1 and not isinstance(dims[0], int):
+            dims = list(dims[0])
+        return 0 not in _axes(dims, ndim)
+    if func in _funcs("roll"):
+        dims = kwargs.get("dims", _arg(args, 2))
+        return dims is not None and 0 not in _axes(dims, ndim)
+    named = [v for v in list(args[1:]) + list(kwargs.values())
+             if isinstance(v, (int, list, tuple))]  # transpose, swap*, movedim's axes
+    return bool(named) and all(0 not in _axes(v, ndim) for v in named)
+
+
+def _product_keeps_rows(func, args, rowwise, ndim: int) -> bool:
+    """Row i of a product depends on row i alone: the rowwise operand on the left with a
+    shared right operand of no more axes, or the batch a leading batch axis of both."""
+    if func in _funcs("addmm", "baddbmm"):
+        bias, args = args[0], args[1:]
+        if any(t is bias for t in rowwise) and bias.dim() != ndim:
+            return False
+    a, b = args[0], args[1]
+    rows_a, rows_b = any(t is a for t in rowwise), any(t is b for t in rowwise)
+    if rows_b:
+        return b.dim() >= 3 and a.dim() <= b.dim() and (not rows_a or a.dim() == b.dim())
+    return rows_a and a.dim() >= 2 and b.dim() <= a.dim() and (b.dim() <= 2
+                                                                 or b.dim() == a.dim())
+
+
+def _index_keeps_axis0(index, ndim: int) -> bool:
+    """Whether ``x[index]`` keeps axis 0 whole and in front: the first index is ``:`` (or an
+    ellipsis before at most ndim - 1 indices), and at most one later index is a tensor or a
+    list (several would move their axes to the front)."""
+    index = index if isinstance(index, tuple) else (index,)
+    if not index:
+        return True
+    advanced = [i for i in index if isinstance(i, (list, torch.Tensor))
+                and not (isinstance(i, torch.Tensor) and i.dim() == 0)]
+    if len(advanced) > 1:
+        return False
+    head = index[0]
+    if isinstance(head, slice):
+        return head == slice(None)
+    if head is Ellipsis:
+        return len([i for i in index[1:] if i is not None]) < ndim
+    return False
