@@ -75,6 +75,7 @@ for _names, _rank in ((("linear",), 2), (("conv1d", "conv_transpose1d"), 3),
                       (("interpolate", "upsample", "instance_norm", "local_response_norm"), 3),
                       (("embedding", "one_hot"), 1)):
     _PER_EXAMPLE.update(dict.fromkeys(_funcs(*_names), _rank))
+_PER_EXAMPLE.update({F.unfold: 4, F.fold: 3})  # im2col and back on (N, C, ...)
 _NORMS = _funcs("layer_norm", "rms_norm")  # normalised over trailing axes, not axis 0
 # a dim that must not be 0: (position of the argument, its default)
 _ALONG_DIM = {}
@@ -83,8 +84,11 @@ for _names, _at in ((("softmax", "log_softmax", "softmin", "cumsum", "cumprod",
                      (1, None)),
                     (("glu", "argsort", "sort"), (1, -1)), (("unbind",), (1, 0)),
                     (("split", "chunk", "tensor_split", "split_with_sizes"), (2, 0)),
-                    (("topk", "kthvalue"), (2, -1)), (("normalize",), (2, 1))):
+                    (("topk", "kthvalue"), (2, -1)), (("normalize",), (2, 1)),
+                    (("repeat_interleave",), (2, None))):
     _ALONG_DIM.update(dict.fromkeys(_funcs(*_names), _at))
+_ALONG_DIM.update({torch.Tensor.unfold: (1, None)})  # windows along an axis (not F.unfold)
+_GATHERS = _funcs("gather", "index_select", "take_along_dim")  # (input, dim, index)
 # reductions: dims that must be given and exclude 0, at this position
 _REDUCTIONS = dict.fromkeys(_funcs(
     "sum", "mean", "amax", "amin", "max", "min", "prod", "logsumexp", "var", "std",
@@ -98,6 +102,7 @@ _TRANSPOSES = _funcs("transpose", "swapaxes", "swapdims", "movedim", "moveaxis",
                      "flip", "roll")
 _JOINS = _funcs("cat", "concat", "concatenate", "stack")
 _PRODUCTS = _funcs("matmul", "bmm", "mm", "__matmul__", "baddbmm", "addmm")
+_EINSUM = _funcs("einsum")
 _FACTORIES = _funcs("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor",
                     "empty_like", "zeros_like", "ones_like", "full_like", "rand_like",
                     "randn_like", "randint_like")
@@ -215,6 +220,17 @@ class Rows:
                     and all(t.dim() == rank for t in rowwise))
         if func in _PRODUCTS:
             return _product_keeps_rows(func, args, rowwise, ndim)
+        if func in _EINSUM:
+            return _einsum_keeps_rows(args, rowwise)
+        if func in _GATHERS:  # along another axis, with indices shared or aligned rows
+            dim = kwargs.get("dim", _arg(args, 1))
+            index = kwargs.get("index", _arg(args, 2))
+            return (any(t is first for t in rowwise) and isinstance(dim, int)
+                    and dim % first.dim() != 0
+                    and all(t is first or (t is index and t.dim() == first.dim()
+                                           and func is not torch.index_select
+                                           and func not in _funcs("index_select"))
+                            for t in rowwise))
         if func is F.scaled_dot_product_attention:
             return all(t.dim() >= 3 and t.dim() == ndim for t in rowwise)
         if func in _GETITEM:
@@ -293,6 +309,26 @@ def _product_keeps_rows(func, args, rowwise, ndim: int) -> bool:
         return b.dim() >= 3 and a.dim() <= b.dim() and (not rows_a or a.dim() == b.dim())
     return rows_a and a.dim() >= 2 and b.dim() <= a.dim() and (b.dim() <= 2
                                                                  or b.dim() == a.dim())
+
+
+def _einsum_keeps_rows(args, rowwise) -> bool:
+    """An einsum with an explicit output whose rowwise operands all begin with the output's
+    first letter (the batch), and no ellipsis."""
+    equation, operands = args[0], args[1:]
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = operands[0]
+    if not isinstance(equation, str) or "->" not in equation or "." in equation:
+        return False
+    inputs, output = equation.replace(" ", "").split("->")
+    terms = inputs.split(",")
+    if not output or len(terms) != len(operands):
+        return False
+    batch = output[0]
+    for term, operand in zip(terms, operands):
+        if any(operand is t for t in rowwise) and (not term or term[0] != batch
+                                                   or term.count(batch) != 1):
+            return False
+    return output.count(batch) == 1
 
 
 def _index_keeps_axis0(index, ndim: int) -> bool:
