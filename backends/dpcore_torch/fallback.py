@@ -69,11 +69,12 @@ class Call:
     rows`; ``draws`` is the pair), its taps, and the backprops of its floating-point tensor
     outputs (None until the backward pass reaches them)."""
 
-    __slots__ = ("args", "kwargs", "draws", "lost", "taps", "g", "cache", "born",
+    __slots__ = ("args", "kwargs", "draws", "lost", "taps", "outputs", "g", "cache", "born",
                  "reached_at")
 
     def __init__(self, args, kwargs, draws, taps, n_outputs):
         (self.draws, self.lost), self.args, self.kwargs, self.taps = draws, args, kwargs, taps
+        self.outputs = [None] * n_outputs  # copies of the outputs, checked by the replay
         self.g = [None] * n_outputs
         self.cache = None
         self.born, self.reached_at = birth(), None
@@ -81,7 +82,7 @@ class Call:
     def release(self) -> None:
         """Drop the tensors (output hooks may still hold this object)."""
         self.args, self.kwargs, self.draws, self.g, self.cache = (), {}, [], [], None
-        self.taps = None
+        self.taps, self.outputs = None, []
 
     def keep_rows(self, keep) -> None:
         """Zero the rows of the examples where ``keep`` (B,) is False (see
@@ -246,12 +247,35 @@ class FallbackUnit:
             t = leaves[i]
             if not t.requires_grad:
                 continue
+            if taps is None or not taps.complete or call.lost is not None:  # replayed:
+                call.outputs[k] = t.detach().clone()  # its outputs are checked against these
             if t._is_view():  # an in-place op on a view would rebase it past a tensor hook
                 leaves[i], copied = Kept.apply(t, self._keeper(call, k)), True
             else:
                 t.register_hook(self._keeper(call, k))
         self.calls.append(call)
         return tree_unflatten(leaves, spec) if copied else out
+
+    def _check_replay(self, call, deviation, scale) -> None:
+        """Refuse a module whose output for example i in the batch is not its output for
+        example i alone (batch statistics, a reordering, attention across examples): its
+        "per-example" gradients would depend on other examples (the sensitivity unbounded).
+        Tolerance: the rounding of the recorded output's precision (autocast), or 1e-4."""
+        kept = [t for t in call.outputs if t is not None]
+        if not kept:
+            return
+        tol = max(1e-4, 8 * max(torch.finfo(t.dtype).eps for t in kept))
+        floor = 1e-6 * float(scale.max()) if scale.numel() else 0.0
+        bad = deviation > tol * torch.clamp(scale, min=floor) + 1e-30
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(
+                f"{type(self.module).__name__}'s output for example {i} of the batch differs "
+                f"from its output for that example alone (by {float(deviation[i]):.3g}, "
+                f"against {float(scale[i]):.3g}): the module mixes the examples of a batch "
+                f"(statistics of the batch, a reordering of it, attention across examples), "
+                f"so each example's gradient would depend on the others and clipping would "
+                f"not bound it. Such a module cannot be trained privately")
 
     @staticmethod
     def _keeper(call, k):
@@ -299,7 +323,8 @@ class FallbackUnit:
                                                      tie_weights=False))
             if call.draws:
                 draws.check_done()
-            for o, g in zip(out, backprops):
+            deviation = scale = index.new_zeros((), dtype=dtype)
+            for o, g, kept in zip(out, backprops, call.outputs):
                 if g is not None and o.shape != (1, *g.shape):
                     raise ValueError(
                         f"{name} replayed on one example gave an output of shape "
@@ -307,8 +332,13 @@ class FallbackUnit:
                         f"output for one example depends on other examples' data, e.g. a "
                         f"per-example tensor passed by keyword (shared by every replay). "
                         f"Pass per-example tensors as positional arguments")
-            return sum((o * g.unsqueeze(0)).sum() for o, g in zip(out, backprops)
+                if g is not None and kept is not None:  # the batch's row, as recorded
+                    row = kept.index_select(0, index.view(1)).to(dtype)
+                    deviation = torch.maximum(deviation, (o.detach() - row).abs().max())
+                    scale = torch.maximum(scale, row.abs().max())
+            loss = sum((o * g.unsqueeze(0)).sum() for o, g in zip(out, backprops)
                        if g is not None)
+            return loss, (deviation, scale)
 
         # replayed in the parameters' precision (inputs and backprops of an autocast forward
         # may be lower), as the layer rules form their gradients
@@ -319,7 +349,8 @@ class FallbackUnit:
         with torch.no_grad(), warnings.catch_warnings():  # the result is data, no graph
             warnings.filterwarnings("ignore", "There is a performance drop")  # expected here
             try:
-                by_slot = vmap(grad(inner), in_dims=(None, 0, 0, dims, 0))(
+                by_slot, (deviation, scale) = vmap(grad(inner, has_aux=True),
+                                                   in_dims=(None, 0, 0, dims, 0))(
                     slots, tensors, split, backprops, torch.arange(b, device=tensors[0].device))
             except ReplayMismatchError:
                 raise
@@ -332,6 +363,7 @@ class FallbackUnit:
                     f"dropout, rand, randn, bernoulli, uniform_, normal_) and fused kernels "
                     f"(of RNN, GRU and LSTM, which have a rule in mode='auto') do "
                     f"not") from error
+        self._check_replay(call, deviation, scale)
         call.cache = dict.fromkeys(self.names, 0)
         for slot, (_, _, key) in self._slots.items():  # a parameter's slots add up
             call.cache[key] = call.cache[key] + by_slot[slot]

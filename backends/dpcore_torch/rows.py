@@ -170,6 +170,12 @@ class Rows:
                 return  # metadata: shape, dtype, device, ...
         if func in _SETITEM:
             out = args[0]  # the target, changed in place
+        target = kwargs.get("out", args[0] if args and out is args[0] else None)
+        if isinstance(target, torch.Tensor) and not self.rowwise(target):
+            # examples' values written into a tensor that was not theirs: views of it made
+            # before would carry them unseen
+            self.lost = _name(func)
+            return
         if not self._keeps_rows(func, args, kwargs, _tensors(out), rowwise):
             self.lost = _name(func)
             return

@@ -166,6 +166,38 @@ def test_uses_whose_rows_are_not_the_examples_go_to_the_replay(form):
             assert torch.allclose(got[n].double(), e, rtol=1e-5, atol=1e-6), (n, dtype)
 
 
+class Mixing(nn.Module):
+    """A module whose output for an example depends on the other examples."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+        self.bias = nn.Parameter(torch.randn(D))
+
+    def forward(self, x):
+        if self.form == "batch statistics":
+            return (x - x.mean(0)) * self.bias
+        buffer = torch.zeros_like(x)  # "aliased buffer": the batch written into a buffer,
+        alias = buffer[:]             # read reversed through a view made before
+        buffer.add_(x)
+        return torch.tanh(alias[torch.arange(x.shape[0]).flip(0)] + self.bias)
+
+
+@pytest.mark.parametrize("form", ["batch statistics", "aliased buffer"])
+def test_a_module_mixing_the_examples_is_refused(form):
+    """Neither tapped (its rows are not followed to the end) nor replayed: its output for
+    example i in the batch is not its output for example i alone, which the replay checks,
+    so each "per-example" gradient would depend on other records."""
+    torch.manual_seed(4)
+    model = Mixing(form).double()
+    engine = PerExampleEngine(model, loss_reduction="sum")
+    (model(torch.randn(5, T, D, dtype=torch.float64)) ** 2).sum().backward()
+    (unit,) = [u for u in engine.units if isinstance(u, FallbackUnit)]
+    assert unit.calls[0].taps.grads(torch.float64) is None
+    with pytest.raises(ValueError, match="mixes the examples of a batch"):
+        engine.per_example_grads()
+
+
 def test_an_empty_batch_gives_empty_gradients():
     model = Model("broadcast")
     engine = PerExampleEngine(model, loss_reduction="sum")
