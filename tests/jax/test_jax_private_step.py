@@ -243,28 +243,35 @@ def test_optax_transformation_adds_noise_once_per_logical_batch():
     assert kinds == [SamplingEvent, SumQueryEvent] * 3
 
 
-@pytest.mark.parametrize("splits, parts_run, released", [(2, 2, 0), (4, 3, 0), (3, 3, 1)])
-def test_an_optax_release_summing_two_samples_is_refused(splits, parts_run, released):
-    """accumulation_steps=4 over samples split in 2, a sample left after 3 of its 4 parts,
-    or accumulation_steps=2 over samples split in 3 (the third part held): the next
-    sample's first part would be added to another sample's (a record in both would count
-    twice under one step's events). Refused from the program before anything is added."""
-    rng = np.random.default_rng(12)
+def accumulating(seed: int, aggregator_seed: int, inner, k: int):
+    """A wide model, an aggregator over 400 records (q = 0.1, on_nonfinite="drop"), the
+    optax route with accumulation_steps=k around ``inner`` and its jitted micro-step:
+    (params, state, micro_step, data, aggregator)."""
+    rng = np.random.default_rng(seed)
     loss_fn, params = wide_model(rng)
     mechanism = dpcore.flat(["b", "w"], 1.0, 1.0)
-    agg = aggregator(mechanism, n=400, q=0.1, seed=6, on_nonfinite="drop")
-    x = rng.normal(size=(400, 200)).astype(np.float32)
-    y = rng.integers(0, 100, size=400)
+    agg = aggregator(mechanism, n=400, q=0.1, seed=aggregator_seed, on_nonfinite="drop")
+    data = (rng.normal(size=(400, 200)).astype(np.float32), rng.integers(0, 100, size=400))
     sums_fn = clipped_sums(loss_fn, mechanism)
-    opt = private_optimizer(optax.sgd(1.0), agg, accumulation_steps=4 if splits != 3 else 2)
-    state = opt.init(params)
+    opt = private_optimizer(inner, agg, accumulation_steps=k)
 
     @jax.jit
     def micro_step(params, state, batch, mask):
         updates, state = opt.update(sums_fn(params, batch, mask), state, params)
         return optax.apply_updates(params, updates), state
 
-    batches = PoissonBatches((x, y), agg, splits=splits)
+    return params, opt.init(params), micro_step, data, agg
+
+
+@pytest.mark.parametrize("splits, parts_run, released", [(2, 2, 0), (4, 3, 0), (3, 3, 1)])
+def test_an_optax_release_summing_two_samples_is_refused(splits, parts_run, released):
+    """accumulation_steps=4 over samples split in 2, a sample left after 3 of its 4 parts,
+    or accumulation_steps=2 over samples split in 3 (the third part held): the next
+    sample's first part would be added to another sample's (a record in both would count
+    twice under one step's events). Refused from the program before anything is added."""
+    params, state, micro_step, data, agg = accumulating(12, 6, optax.sgd(1.0),
+                                                        4 if splits != 3 else 2)
+    batches = PoissonBatches(data, agg, splits=splits)
     with pytest.raises(jax.errors.JaxRuntimeError,
                        match=r"part\(s\) of step 0, and a part of step 1"):
         for _ in range(2):
@@ -279,22 +286,8 @@ def test_drop_parts_goes_on_after_a_refused_part_keeping_the_optimizer_state():
     """A sample left after one of its two parts: the next sample's first part is refused;
     drop_parts on the state from before it drops the held part and keeps Adam's moments, its
     step count and the key, and the next whole sample is released from them."""
-    rng = np.random.default_rng(13)
-    loss_fn, params = wide_model(rng)
-    mechanism = dpcore.flat(["b", "w"], 1.0, 1.0)
-    agg = aggregator(mechanism, n=400, q=0.1, seed=7, on_nonfinite="drop")
-    x = rng.normal(size=(400, 200)).astype(np.float32)
-    y = rng.integers(0, 100, size=400)
-    sums_fn = clipped_sums(loss_fn, mechanism)
-    opt = private_optimizer(optax.adam(0.1), agg, accumulation_steps=2)
-    state = opt.init(params)
-
-    @jax.jit
-    def micro_step(params, state, batch, mask):
-        updates, state = opt.update(sums_fn(params, batch, mask), state, params)
-        return optax.apply_updates(params, updates), state
-
-    batches = PoissonBatches((x, y), agg, splits=2)
+    params, state, micro_step, data, agg = accumulating(13, 7, optax.adam(0.1), 2)
+    batches = PoissonBatches(data, agg, splits=2)
     for batch, mask in batches.next():  # one whole sample: Adam takes a step
         params, state = micro_step(params, state, batch, mask)
     params, state = micro_step(params, state, *batches.next()[0])  # left part-way

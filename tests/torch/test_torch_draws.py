@@ -125,7 +125,7 @@ def test_draws_of_the_forward_pass_are_replayed_per_example(name, mode, batch):
 
 
 class Drawing(nn.Module):
-    """A module of its own parameter whose draws the replay cannot give per example."""
+    """A module of its own parameter drawing in ways the replay must refuse, or get right."""
 
     def __init__(self, form):
         super().__init__()
@@ -143,6 +143,20 @@ class Drawing(nn.Module):
         if self.form == "ignored":  # an in-place draw whose result is not used
             noise = torch.empty((x.shape[0], 1))
             noise.bernoulli_(0.5)
+            return h * noise
+        if self.form == "sorted":  # a draw on the sorted batch: its row i is not example i's
+            order = h[:, 0].argsort()
+            return F.dropout(h[order], 0.5)[order.argsort()]
+        if self.form == "time-major":  # (T, B, D) with T == B
+            t = h.view(-1, 2, 2).transpose(0, 1)
+            return F.dropout(t, 0.5).transpose(0, 1).flatten(1)
+        if self.form == "noise then sort":  # drawn in order, used on the sorted batch
+            noise = torch.rand(x.shape[0], 1)
+            order = h[:, 0].argsort()
+            return (h[order] * noise)[order.argsort()]
+        if self.form == "changed in place":  # a kept draw the caller changes afterwards
+            noise = torch.randn(x.shape[0], 4)
+            noise.mul_(0.5).add_(1.0)
             return h * noise
         return h * torch.randint(0, 2, h.shape)  # a random operation dpcore does not keep
 
@@ -166,37 +180,10 @@ def test_an_in_place_draw_whose_result_is_ignored_is_refused():
         engine.per_example_grads()
 
 
-class Moved(nn.Module):
-    """Random draws around operations that move the examples' rows."""
-
-    def __init__(self, form):
-        super().__init__()
-        self.form = form
-        self.w = nn.Parameter(torch.randn(4, 4))
-
-    def forward(self, x):
-        h = x @ self.w
-        if self.form == "sorted":  # a draw on the sorted batch: its row i is not example i's
-            order = h[:, 0].argsort()
-            return F.dropout(h[order], 0.5)[order.argsort()]
-        if self.form == "time-major":  # (T, B, D) with T == B
-            t = h.view(-1, 2, 2).transpose(0, 1)
-            return F.dropout(t, 0.5).transpose(0, 1).flatten(1)
-        if self.form == "noise then sort":  # drawn in order, used on the sorted batch
-            noise = torch.rand(x.shape[0], 1)
-            order = h[:, 0].argsort()
-            return (h[order] * noise)[order.argsort()]
-        if self.form == "changed in place":  # a kept draw the caller changes afterwards
-            noise = torch.randn(x.shape[0], 4)
-            noise.mul_(0.5).add_(1.0)
-            return h * noise
-        raise ValueError(self.form)
-
-
 @pytest.mark.parametrize("form", ["sorted", "time-major", "noise then sort"])
 def test_draws_whose_rows_may_not_be_the_examples_are_refused(form):
     torch.manual_seed(4)
-    model = Moved(form)
+    model = Drawing(form)
     engine = PerExampleEngine(model, loss_reduction="sum")
     model(torch.randn(2, 4)).sum().backward()
     with pytest.raises(ReplayMismatchError, match="cannot tell"):
@@ -205,7 +192,7 @@ def test_draws_whose_rows_may_not_be_the_examples_are_refused(form):
 
 def test_a_kept_draw_changed_in_place_by_the_forward_is_replayed_as_drawn():
     torch.manual_seed(5)
-    model = Moved("changed in place").double()
+    model = Drawing("changed in place").double()
     x = torch.randn(5, 4, dtype=torch.float64)
     engine = PerExampleEngine(model, loss_reduction="sum")
     torch.manual_seed(SEED)
