@@ -260,7 +260,25 @@ class Recorder(_Draws):
             self.suspended -= 1
 
 
-def enter_opaque(module, args) -> None:
+def share(tensors) -> None:
+    """Take ``tensors`` (a unit's parameters as it holds them in a call) as shared by the
+    calls being recorded."""
+    recorder = getattr(_state, "recorder", None)
+    if recorder is not None:
+        for call in recorder.active:
+            for t in tensors:
+                call.rows.share(t)
+
+
+def alias(t, copy) -> None:
+    """``copy``, made of ``t`` outside the mode (a hooked output's), as ``t`` is."""
+    recorder = getattr(_state, "recorder", None)
+    if recorder is not None:
+        for call in recorder.active:
+            call.rows.alias(t, copy)
+
+
+def enter_opaque(module, args, kwargs) -> None:
     """Forward pre-hook of a layer known to keep each example in its row whose own code
     moves the batch axis (``nn.MultiheadAttention``, ``batch_first``: checked by the
     engine): its operations are not followed (:func:`leave_opaque` after it)."""
@@ -269,7 +287,7 @@ def enter_opaque(module, args) -> None:
         recorder.suspended += 1
 
 
-def leave_opaque(module, args, out) -> None:
+def leave_opaque(module, args, kwargs, out) -> None:
     """Forward hook closing :func:`enter_opaque`: the outputs are rowwise where an input
     is."""
     recorder = getattr(_state, "recorder", None)
@@ -277,13 +295,13 @@ def leave_opaque(module, args, out) -> None:
         recorder.suspended -= 1
         if not recorder.suspended:
             for call in recorder.active:
-                call.rows.observe_opaque(args, out)
+                call.rows.observe_opaque(list(args) + list(kwargs.values()), out)
 
 
 def opaque(run, args):
-    """``run()``, a rule layer's forward on ``args``: its operations are not shown to the
-    row trackers and taps, and its tensor outputs of B rows are rowwise where a tensor of
-    ``args`` is (a rule keeps each example in its row)."""
+    """``run()``, a rule layer's forward on ``args`` (its arguments, keyword ones included):
+    its operations are not shown to the row trackers and taps, and its outputs are rowwise
+    where a tensor of ``args`` is (a rule keeps each example in its row)."""
     recorder = getattr(_state, "recorder", None)
     if recorder is None:
         return run()

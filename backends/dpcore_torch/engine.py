@@ -112,7 +112,8 @@ class _RuleUnit:
             if not args and "input" in kwargs:  # layer(input=x)
                 args, kwargs = (kwargs["input"],), {k: v for k, v in kwargs.items()
                                                     if k != "input"}
-            return opaque(lambda: rule.forward(module, self.calls, args, kwargs), args)
+            return opaque(lambda: rule.forward(module, self.calls, args, kwargs),
+                          list(args) + list(kwargs.values()))
 
         module.forward = forward
         instrumentation(module).added.add("forward")
@@ -175,8 +176,8 @@ class PerExampleEngine:
             if isinstance(sub, nn.modules.batchnorm._BatchNorm):
                 hooks.append(sub.register_forward_pre_hook(_refuse_training_batchnorm(name)))
             if isinstance(sub, nn.MultiheadAttention):  # its code transposes the batch axis
-                hooks += [sub.register_forward_pre_hook(enter_opaque),
-                          sub.register_forward_hook(leave_opaque)]
+                hooks += [sub.register_forward_pre_hook(enter_opaque, with_kwargs=True),
+                          sub.register_forward_hook(leave_opaque, with_kwargs=True)]
             if hooks:
                 instrumentation(sub).hooks.extend(hooks)
                 self._handles += hooks

@@ -32,7 +32,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .draws import Recording, Replayer, ReplayMismatchError
+from .draws import Recording, Replayer, ReplayMismatchError, alias, share
 from .instrumentation import instrumentation
 from .layers import birth, cast_to, keep_rows, late_backward, tick
 from .rows import Rows
@@ -204,9 +204,12 @@ class FallbackUnit:
             finally:
                 self._depth -= 1
         batch = next((a.shape[0] for a in args if _batched(a)), None)
-        rows = Rows(-1 if batch is None else batch,
-                    [a for a in args if _batched(a)]
-                    + [kwargs[k] for k in _per_example_keywords(kwargs, batch)])
+        split = [kwargs[k] for k in _per_example_keywords(kwargs, batch)]
+        inputs = [a for a in args if _batched(a)] + split
+        rows = Rows(-1 if batch is None else batch, inputs,
+                    [*self.module.parameters(), *self.module.buffers(),
+                     *(t for t in tree_flatten((args, kwargs))[0]
+                       if isinstance(t, torch.Tensor) and all(t is not i for i in inputs))])
         taps = Taps(batch, rows) if self._tapped and batch is not None else None
         stops, swapped = {}, []
         for holder, attr, key in self._slots.values():
@@ -220,6 +223,8 @@ class FallbackUnit:
                     taps.hold(key, stops[key])
             holder._parameters[attr] = stops[key]
             swapped.append((holder, attr, p))
+        rows.share_all(stops.values())
+        share(stops.values())  # to the enclosing units' calls too
         self._depth, draws = 1, []
         try:
             with Recording(draws, rows, taps):
@@ -251,6 +256,7 @@ class FallbackUnit:
                 call.outputs[k] = t.detach().clone()  # its outputs are checked against these
             if t._is_view():  # an in-place op on a view would rebase it past a tensor hook
                 leaves[i], copied = Kept.apply(t, self._keeper(call, k)), True
+                alias(t, leaves[i])  # for the enclosing units' calls
             else:
                 t.register_hook(self._keeper(call, k))
         self.calls.append(call)

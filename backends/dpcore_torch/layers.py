@@ -726,6 +726,11 @@ class EmbeddingRule(Rule):
 class LayerNormRule(Rule):
     def forward(self, module, use_list, args, kwargs):
         (x,) = args
+        if x.dim() <= len(module.normalized_shape):
+            raise NotPerExampleError(
+                f"LayerNorm{tuple(module.normalized_shape)} got an input of shape "
+                f"{tuple(x.shape)}: it normalises over axis 0 too, so over the examples of the "
+                f"batch; dpcore needs the examples on axis 0 and normalised axes after it")
         use = _record(use_list, x, _dtype(module))
         return _LayerNorm.apply(use, x, module.weight, module.bias,
                                 list(module.normalized_shape), module.eps)

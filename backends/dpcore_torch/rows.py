@@ -3,22 +3,26 @@ i of a tensor can be credited to example i: by the taps (:mod:`dpcore_torch.taps
 per-example gradients are rows of backprops, and by the replay of random draws
 (:mod:`dpcore_torch.draws`), which gives example i row i of each draw.
 
-The unit's positional inputs have the examples on axis 0 (the fallback's contract): they
-are *rowwise*, row i depending on example i alone. The mode that records the call shows
-every operation to a :class:`Rows`. An operation with a rowwise argument gives rowwise
-results if it keeps rows apart: elementwise operations with the rowwise operands aligned on
-axis 0, reductions and softmaxes over other axes, views and reshapes that keep axis 0 (its
-size unchanged, C order), indexing whose first index is ``:``, concatenation along another
-axis, ``F.linear``/``matmul`` with the rowwise operand on the left (or batched on both
-sides), convolutions, pooling, per-example normalisation, embedding lookups and attention.
-Any other operation on a rowwise tensor (a transpose of axis 0, a sort of the rows, a
-flatten of the positions into the batch axis, ``.item()``) *loses track* of the call, and
-its name is kept for messages. Tensors made without rowwise arguments (parameters,
-constants, factories) depend on no example and may enter those operations freely. With one
-example (B = 1) every tensor is that example's.
+Every tensor the call meets is *rowwise* (row i depends on example i alone), *shared*
+(depends on no example), or unknown. The unit's positional inputs have the examples on
+axis 0 (the fallback's contract): rowwise. Its parameters and buffers, the other arguments,
+and tensors made from shared ones or from nothing are shared. The mode that records the
+call shows every operation to a :class:`Rows`. An operation with a rowwise argument gives
+rowwise results if it keeps rows apart: elementwise operations with the rowwise operands
+aligned on axis 0, reductions and softmaxes over other axes, views and reshapes that keep
+axis 0 (its size and the rank unchanged where it expands), indexing whose first index is
+``:`` with at most one advanced index, concatenation along another axis, ``F.linear`` and
+products with the rowwise operand on the left (or batched on both sides), convolutions,
+pooling, per-example normalisation, embedding lookups, attention, and rule layers as wholes.
+Anything else *loses track* of the call, and its name is kept for messages: an operation on a
+rowwise tensor outside that list (a transpose of axis 0, a sort of the rows, ``.item()``, a
+hook), a write of rowwise values into a tensor that was not rowwise (its views, made before,
+would carry them unseen), or any operation on a tensor of unknown origin (made where dpcore
+did not look). With one example (B = 1) every tensor is that example's.
 
 A lost call is never wrong, only slower: the taps leave it to the replay, and the replay
-refuses draws of B rows it can no longer tell apart.
+refuses draws of B rows it can no longer tell apart. Gradients changed in the backward pass
+(a hook, an autograd Function's own backward) are not seen, here as for the layer rules.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-_NAMESPACES = (torch, torch.Tensor, torch._C.TensorBase, F, torch.special)
+_NAMESPACES = (torch, torch.Tensor, torch._C.TensorBase, F, torch.special, torch.linalg)
 
 
 def _funcs(*names):
@@ -58,7 +62,7 @@ __add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__ __
 __rtruediv__ __itruediv__ __div__ __rdiv__ __floordiv__ __rfloordiv__ __mod__ __rmod__
 __pow__ __rpow__ __ipow__ __neg__ __pos__ __abs__ __and__ __or__ __xor__ __invert__ __eq__
 __ne__ __lt__ __le__ __gt__ __ge__ __iand__ __ior__ __ixor__ bernoulli uniform_ normal_
-exponential_ random_ geometric_ cauchy_ log_normal_""".split()
+exponential_ random_ geometric_ cauchy_ log_normal_ new_tensor""".split()
 _ELEMENTWISE = _funcs(*_ELEMENTWISE_NAMES, *(n + "_" for n in _ELEMENTWISE_NAMES
                                              if not n.startswith("_")))
 # input rowwise (the first argument), the others shared: the least rank of a batched input
@@ -103,18 +107,19 @@ _TRANSPOSES = _funcs("transpose", "swapaxes", "swapdims", "movedim", "moveaxis",
 _JOINS = _funcs("cat", "concat", "concatenate", "stack")
 _PRODUCTS = _funcs("matmul", "bmm", "mm", "__matmul__", "baddbmm", "addmm")
 _EINSUM = _funcs("einsum")
-_FACTORIES = _funcs("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor",
-                    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like",
-                    "randn_like", "randint_like")
+_FACTORIES = _funcs("new_empty", "new_zeros", "new_ones", "new_full", "empty_like",
+                    "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
+                    "randint_like")  # only the argument's shape
 _METADATA = _funcs("size", "dim", "numel", "nelement", "is_floating_point", "is_complex",
                    "element_size", "is_contiguous", "stride", "storage_offset", "__len__",
                    "get_device", "has_names", "is_shared", "is_pinned", "_is_view",
-                   "register_hook", "retain_grad", "is_set_to", "__hash__", "__format__",
-                   "__repr__", "__str__")
+                   "retain_grad", "is_set_to", "__hash__", "__format__", "__repr__",
+                   "__str__")
 _GETITEM = _funcs("__getitem__")
 _SETITEM = _funcs("__setitem__")
 _VIEW_GETTERS = {"mT": 3, "mH": 3, "data": 1, "real": 1, "imag": 1}  # name: least rank
 _DATA_GETTERS = {"T", "H", "grad"}  # properties whose value moves or mixes rows
+_READ_GETTERS = set(_VIEW_GETTERS) | _DATA_GETTERS  # the other properties read no values
 
 
 def _name(func) -> str:
@@ -141,40 +146,84 @@ def _dims(value, ndim: int) -> set[int] | None:
 
 
 class Rows:
-    """The rowwise tensors of one recorded call of a unit, for a batch of ``batch``."""
+    """The rowwise and shared tensors of one recorded call of a unit, for a batch of
+    ``batch``: ``inputs`` rowwise, ``shared`` (parameters, buffers, other arguments)
+    shared."""
 
-    def __init__(self, batch: int, inputs=()):
+    def __init__(self, batch: int, inputs=(), shared=()):
         self.batch, self.lost = batch, None
         self._rows: dict[int, weakref.ref] = {}
+        self._shared: dict[int, weakref.ref] = {}
+        for t in shared:
+            self.share(t)
         for t in inputs:
             self.mark(t)
 
     def mark(self, t) -> None:
-        if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == self.batch:
+        """Take ``t`` as rowwise (with B rows; else the call loses track)."""
+        if not isinstance(t, torch.Tensor):
+            return
+        if t.dim() and t.shape[0] == self.batch:
             self._rows[id(t)] = weakref.ref(t)
+            self._shared.pop(id(t), None)
+        elif self.lost is None:
+            self.lost = "a rowwise result without the batch's rows"
+
+    def share(self, t) -> None:
+        if isinstance(t, torch.Tensor) and not self.rowwise(t):
+            self._shared[id(t)] = weakref.ref(t)
+
+    def share_all(self, tensors) -> None:
+        for t in tensors:
+            self.share(t)
+
+    def alias(self, t, copy) -> None:
+        """``copy`` (a copy of ``t`` made outside the mode) as ``t`` is."""
+        if self.rowwise(t):
+            self.mark(copy)
+        elif self.shared(t):
+            self.share(copy)
 
     def rowwise(self, t) -> bool:
         ref = self._rows.get(id(t))
+        return ref is not None and ref() is t
+
+    def shared(self, t) -> bool:
+        ref = self._shared.get(id(t))
         return ref is not None and ref() is t
 
     def observe(self, func, args, kwargs, out) -> None:
         """Follow one operation of the call (``out``: what the caller gets)."""
         if self.lost is not None or self.batch <= 1:
             return
-        rowwise = [t for t in _tensors(list(args) + list(kwargs.values())) if self.rowwise(t)]
-        if not rowwise or func in _METADATA or func in _FACTORIES:
-            return  # no example's values reach the result
-        if type(func).__name__ == "method-wrapper":  # a property: x.shape, x.mT, x.data
-            name = getattr(func.__self__, "__name__", "")
-            if name not in _VIEW_GETTERS and name not in _DATA_GETTERS:
-                return  # metadata: shape, dtype, device, ...
+        if func in _METADATA or (type(func).__name__ == "method-wrapper" and getattr(
+                func.__self__, "__name__", "") not in _READ_GETTERS):
+            return  # no values read: shape, dtype, device, ...
+        if func in _FACTORIES:  # only the shape of the argument: shared values (a draw's
+            for t in _tensors(out):  # rows were marked by the recorder)
+                if not self.rowwise(t):
+                    self.share(t)
+            return
+        operands = list(args) + list(kwargs.values())
+        if func in _SHAPED_LIKE:  # the second argument only gives a shape
+            operands = operands[:1]
+        tensors = _tensors(operands)
+        unknown = [t for t in tensors if not self.rowwise(t) and not self.shared(t)]
+        if unknown:
+            self.lost = f"{_name(func)} (on a tensor made where dpcore did not look)"
+            return
+        rowwise = [t for t in tensors if self.rowwise(t)]
         if func in _SETITEM:
             out = args[0]  # the target, changed in place
         target = kwargs.get("out", args[0] if args and out is args[0] else None)
-        if isinstance(target, torch.Tensor) and not self.rowwise(target):
+        if rowwise and isinstance(target, torch.Tensor) and not self.rowwise(target):
             # examples' values written into a tensor that was not theirs: views of it made
             # before would carry them unseen
             self.lost = _name(func)
+            return
+        if not rowwise:
+            for t in _tensors(out):
+                self.share(t)
             return
         if not self._keeps_rows(func, args, kwargs, _tensors(out), rowwise):
             self.lost = _name(func)
@@ -182,11 +231,20 @@ class Rows:
         for t in _tensors(out):
             self.mark(t)
 
-    def observe_opaque(self, args, out) -> None:
-        """A rule layer's call: its outputs of B rows are rowwise where an input is."""
-        if self.lost is None and any(self.rowwise(t) for t in _tensors(list(args))):
+    def observe_opaque(self, inputs, out) -> None:
+        """A rule layer's call on ``inputs``: its outputs are rowwise where an input is
+        (a rule keeps each example in its row), shared where all are."""
+        if self.lost is not None or self.batch <= 1:
+            return
+        tensors = _tensors(list(inputs))
+        if any(not self.rowwise(t) and not self.shared(t) for t in tensors):
+            self.lost = "a layer called on a tensor made where dpcore did not look"
+        elif any(self.rowwise(t) for t in tensors):
             for t in _tensors(out):
                 self.mark(t)
+        else:
+            for t in _tensors(out):
+                self.share(t)
 
     def _keeps_rows(self, func, args, kwargs, outs, rowwise) -> bool:
         if not outs or any(o.dim() == 0 or o.shape[0] != self.batch for o in outs):
@@ -214,9 +272,9 @@ class Rows:
                     and 0 not in _axes(dim, first.dim()))
         if func in _SAME_ROWS:
             return alone and _keeps_axis0(func, args, kwargs, first, outs[0])
-        if func in _SHAPED_LIKE:  # rows of the first, or copies of a shared tensor
-            return (not any(t is first for t in rowwise)
-                    or (first.dim() > 0 and first.shape[0] == outs[0].shape[0]))
+        if func in _SHAPED_LIKE:  # the first's rows (the other gave only a shape)
+            return first.shape[0] == outs[0].shape[0] and (
+                func not in _funcs("expand_as") or first.dim() == outs[0].dim())
         if func in _TRANSPOSES:
             return alone and _fixes_axis0(func, args, kwargs, first.dim())
         if func in _JOINS:
@@ -225,7 +283,7 @@ class Rows:
             return (isinstance(dim, int) and dim % ndim != 0
                     and all(t.dim() == rank for t in rowwise))
         if func in _PRODUCTS:
-            return _product_keeps_rows(func, args, rowwise, ndim)
+            return _product_keeps_rows(func, args, kwargs, rowwise, ndim)
         if func in _EINSUM:
             return _einsum_keeps_rows(args, rowwise)
         if func in _GATHERS:  # along another axis, with indices shared or aligned rows
@@ -279,7 +337,9 @@ def _keeps_axis0(func, args, kwargs, x, out) -> bool:
         return len(sizes) == x.dim() and sizes[0] == 1
     if func in _funcs("pad"):
         return len(kwargs.get("pad", _arg(args, 1, ()))) // 2 < x.dim()
-    return True  # view, reshape, expand, broadcast_to
+    if func in _funcs("expand", "broadcast_to"):  # no new leading axis (of B, by chance)
+        return out.dim() == x.dim()
+    return True  # view, reshape (C order: the same first size keeps the rows)
 
 
 def _fixes_axis0(func, args, kwargs, ndim: int) -> bool:
@@ -302,14 +362,24 @@ def _fixes_axis0(func, args, kwargs, ndim: int) -> bool:
     return bool(named) and all(0 not in _axes(v, ndim) for v in named)
 
 
-def _product_keeps_rows(func, args, rowwise, ndim: int) -> bool:
+_OPERANDS = {"addmm": ("input", "mat1", "mat2"), "baddbmm": ("input", "batch1", "batch2"),
+             "mm": ("input", "mat2"), "bmm": ("input", "mat2"), "matmul": ("input", "other"),
+             "__matmul__": ("input", "other")}
+
+
+def _product_keeps_rows(func, args, kwargs, rowwise, ndim: int) -> bool:
     """Row i of a product depends on row i alone: the rowwise operand on the left with a
     shared right operand of no more axes, or the batch a leading batch axis of both."""
-    if func in _funcs("addmm", "baddbmm"):
-        bias, args = args[0], args[1:]
+    names = _OPERANDS[func.__name__]
+    values = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+    if any(n not in values for n in names):
+        return False
+    operands = [values[n] for n in names]
+    if len(operands) == 3:
+        bias, operands = operands[0], operands[1:]
         if any(t is bias for t in rowwise) and bias.dim() != ndim:
             return False
-    a, b = args[0], args[1]
+    a, b = operands
     rows_a, rows_b = any(t is a for t in rowwise), any(t is b for t in rowwise)
     if rows_b:
         return b.dim() >= 3 and a.dim() <= b.dim() and (not rows_a or a.dim() == b.dim())
@@ -339,18 +409,26 @@ def _einsum_keeps_rows(args, rowwise) -> bool:
 
 def _index_keeps_axis0(index, ndim: int) -> bool:
     """Whether ``x[index]`` keeps axis 0 whole and in front: the first index is ``:`` (or an
-    ellipsis before at most ndim - 1 indices), and at most one later index is a tensor or a
-    list (several would move their axes to the front)."""
+    ellipsis covering axis 0), and at most one index is advanced (several, or a bool among
+    others, move their axes to the front)."""
     index = index if isinstance(index, tuple) else (index,)
     if not index:
         return True
-    advanced = [i for i in index if isinstance(i, (list, torch.Tensor))
-                and not (isinstance(i, torch.Tensor) and i.dim() == 0)]
-    if len(advanced) > 1:
+    advanced, consumed = 0, 0
+    for i in index:
+        if isinstance(i, bool) or (isinstance(i, torch.Tensor) and i.dtype == torch.bool):
+            advanced += 1
+            consumed += i.dim() if isinstance(i, torch.Tensor) else 0
+        elif isinstance(i, torch.Tensor) and i.dim() > 0 or isinstance(i, list):
+            advanced += 1
+            consumed += 1
+        elif i is not None and i is not Ellipsis:
+            consumed += 1  # a slice, an int, a 0-d integer tensor
+    if advanced > 1:
         return False
     head = index[0]
     if isinstance(head, slice):
         return head == slice(None)
     if head is Ellipsis:
-        return len([i for i in index[1:] if i is not None]) < ndim
+        return consumed < ndim
     return False

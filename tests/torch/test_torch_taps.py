@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from dpcore_torch import PerExampleEngine  # noqa: E402
+from dpcore_torch import NotPerExampleError, PerExampleEngine  # noqa: E402
 from dpcore_torch.fallback import FallbackUnit  # noqa: E402
 
 T, D = 4, 6
@@ -196,6 +196,61 @@ def test_a_module_mixing_the_examples_is_refused(form):
     assert unit.calls[0].taps.grads(torch.float64) is None
     with pytest.raises(ValueError, match="mixes the examples of a batch"):
         engine.per_example_grads()
+
+
+REVERSED = [3, 2, 1, 0]  # with B = 4: row k of a result is example 3 - k's
+
+
+class Hidden(nn.Module):
+    """Examples mixed in ways a row tracker could miss (from an audit); B = D = 4."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+        self.bias = nn.Parameter(torch.randn(4))
+        self.attn = nn.MultiheadAttention(4, 1, batch_first=True)
+
+    def forward(self, x):
+        o = torch.tanh(x) + self.bias  # a tapped use
+        if self.form == "expand to a new axis of B":
+            z = o.expand(4, 4, 4)  # z[j] holds the whole batch
+            return torch.tanh((z * torch.eye(4)[REVERSED][:, :, None]).sum(1))
+        if self.form == "a Python bool index":  # (4, B, D): axis 0 is the index's
+            z = o[:, None, :] * torch.ones(3, 1)
+            return torch.tanh(z[:, torch.tensor([2, 1, 0, 0]), :, True].sum(1))
+        if self.form == "a view of a buffer":
+            buffer = torch.zeros(4, 4)
+            buffer.view_as(o).copy_(o)
+            return torch.tanh(buffer.flip(0))
+        if self.form == "attention by keyword":
+            h = self.attn(query=o[:, None], key=o[:, None], value=o[:, None],
+                          need_weights=False)[0]
+            return h[:, 0].flip(0)
+        return torch.tanh(o * o.new_tensor(o).flip(0))  # "a copy by new_tensor"
+
+
+@pytest.mark.parametrize("form", ["expand to a new axis of B", "a Python bool index",
+                                  "a view of a buffer", "attention by keyword",
+                                  "a copy by new_tensor"])
+def test_examples_mixed_out_of_sight_are_never_credited_by_taps(form):
+    """None of these is tapped; the replay refuses them (its output check, or torch.func),
+    never giving a gradient that depends on another record."""
+    torch.manual_seed(5)
+    model = Hidden(form)
+    engine = PerExampleEngine(model, loss_reduction="sum")
+    (model(torch.randn(4, 4)) ** 2).sum().backward()
+    unit = next(u for u in engine.units if isinstance(u, FallbackUnit)
+                and u.module is model)
+    assert unit.calls[0].taps.grads(torch.float32) is None
+    with pytest.raises((ValueError, RuntimeError)):
+        engine.per_example_grads()
+
+
+def test_a_layer_norm_over_the_batch_axis_is_refused():
+    norm = nn.LayerNorm([4, 3])
+    PerExampleEngine(norm)
+    with pytest.raises(NotPerExampleError, match="normalises over axis 0"):
+        norm(torch.randn(4, 3))
 
 
 def test_an_empty_batch_gives_empty_gradients():
