@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from contextlib import contextmanager
 import threading
 import types
 import weakref
@@ -258,6 +259,20 @@ class Recorder(_Draws):
             return super().multi_head_attention(args, kwargs)
         finally:
             self.suspended -= 1
+
+
+@contextmanager
+def unobserved():
+    """Operations run here (dpcore's own) are not shown to the calls being recorded."""
+    recorder = getattr(_state, "recorder", None)
+    if recorder is None:
+        yield
+        return
+    recorder.suspended += 1
+    try:
+        yield
+    finally:
+        recorder.suspended -= 1
 
 
 def share(tensors) -> None:

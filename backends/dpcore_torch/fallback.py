@@ -32,7 +32,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .draws import Recording, Replayer, ReplayMismatchError, alias, share
+from .draws import Recording, Replayer, ReplayMismatchError, alias, share, unobserved
 from .instrumentation import instrumentation
 from .layers import birth, cast_to, keep_rows, late_backward, tick
 from .rows import Rows
@@ -206,10 +206,13 @@ class FallbackUnit:
         batch = next((a.shape[0] for a in args if _batched(a)), None)
         split = [kwargs[k] for k in _per_example_keywords(kwargs, batch)]
         inputs = [a for a in args if _batched(a)] + split
+        # shared: parameters, buffers, and arguments that cannot be per example (a keyword
+        # tensor of B rows may be, and stays unknown: any use of it loses track)
         rows = Rows(-1 if batch is None else batch, inputs,
                     [*self.module.parameters(), *self.module.buffers(),
                      *(t for t in tree_flatten((args, kwargs))[0]
-                       if isinstance(t, torch.Tensor) and all(t is not i for i in inputs))])
+                       if isinstance(t, torch.Tensor) and all(t is not i for i in inputs)
+                       and not (t.dim() and t.shape[0] == batch))])
         taps = Taps(batch, rows) if self._tapped and batch is not None else None
         stops, swapped = {}, []
         for holder, attr, key in self._slots.values():
@@ -233,7 +236,7 @@ class FallbackUnit:
             self._depth = 0
             for holder, attr, p in swapped:
                 holder._parameters[attr] = p
-        return self._record(args, kwargs, (draws, rows.lost), taps, out)
+        return self._record(args, kwargs, (draws, rows), taps, out)
 
     def _record(self, args, kwargs, draws, taps, out):
         """Keep the call's inputs (as the caller passed them: the replay runs pre-hooks
@@ -243,22 +246,33 @@ class FallbackUnit:
                             f"tensor argument of at least one axis; dpcore's per-example "
                             f"fallback needs the batch as a positional tensor with the "
                             f"examples on axis 0")
+        draws, rows = draws
         leaves, spec = tree_flatten(out)
+        hidden = [type(leaf).__name__ for leaf in leaves
+                  if not isinstance(leaf, (torch.Tensor, int, float, str, type(None)))
+                  and any(isinstance(v, torch.Tensor)
+                          for v in getattr(leaf, "__dict__", {}).values())]
+        if hidden:  # its tensors would get no hook: their backprops would be lost
+            raise TypeError(
+                f"{type(self.module).__name__} returned a {hidden[0]} holding tensors, which "
+                f"dpcore cannot look into to keep their backprops: return tensors, or "
+                f"tuples, lists, dicts or named tuples of them")
         floats = [i for i, t in enumerate(leaves) if _is_float(t)]
+        rows.require([leaves[i] for i in floats if leaves[i].requires_grad])
         call = Call(tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
-                    kwargs, draws, taps, len(floats))
+                    kwargs, (draws, rows.lost), taps, len(floats))
         copied = False
-        for k, i in enumerate(floats):
-            t = leaves[i]
-            if not t.requires_grad:
-                continue
-            if taps is None or not taps.complete or call.lost is not None:  # replayed:
-                call.outputs[k] = t.detach().clone()  # its outputs are checked against these
-            if t._is_view():  # an in-place op on a view would rebase it past a tensor hook
-                leaves[i], copied = Kept.apply(t, self._keeper(call, k)), True
-                alias(t, leaves[i])  # for the enclosing units' calls
-            else:
-                t.register_hook(self._keeper(call, k))
+        with unobserved():  # dpcore's own hooks, not operations of an enclosing unit
+            for k, i in enumerate(floats):
+                t = leaves[i]
+                if not t.requires_grad:
+                    continue
+                call.outputs[k] = t.detach().clone()  # a replay checks its outputs with these
+                if t._is_view():  # an in-place op on a view would rebase it past a hook
+                    leaves[i], copied = Kept.apply(t, self._keeper(call, k)), True
+                    alias(t, leaves[i])  # for the enclosing units' calls
+                else:
+                    t.register_hook(self._keeper(call, k))
         self.calls.append(call)
         return tree_unflatten(leaves, spec) if copied else out
 

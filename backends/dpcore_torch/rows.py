@@ -231,6 +231,13 @@ class Rows:
         for t in _tensors(out):
             self.mark(t)
 
+    def require(self, outputs) -> None:
+        """Lose track unless every one of the call's ``outputs`` is rowwise or shared (one
+        made where the mode did not look, by ``torch.jit.script`` say, is neither)."""
+        if self.lost is None and self.batch > 1 and any(
+                not self.rowwise(t) and not self.shared(t) for t in outputs):
+            self.lost = "an output made where dpcore did not look"
+
     def observe_opaque(self, inputs, out) -> None:
         """A rule layer's call on ``inputs``: its outputs are rowwise where an input is
         (a rule keeps each example in its row), shared where all are."""

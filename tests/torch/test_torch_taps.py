@@ -4,6 +4,7 @@ any other use, or a use the taps cannot see, leaves the call to the replay. Both
 float64 one-example-at-a-time oracle."""
 
 import copy
+import dataclasses
 
 import pytest
 
@@ -201,6 +202,11 @@ def test_a_module_mixing_the_examples_is_refused(form):
 REVERSED = [3, 2, 1, 0]  # with B = 4: row k of a result is example 3 - k's
 
 
+@torch.jit.script
+def _flipped(h: torch.Tensor) -> torch.Tensor:
+    return h.flip(0)  # a scripted function: no torch function mode sees its operations
+
+
 class Hidden(nn.Module):
     """Examples mixed in ways a row tracker could miss (from an audit); B = D = 4."""
 
@@ -226,12 +232,15 @@ class Hidden(nn.Module):
             h = self.attn(query=o[:, None], key=o[:, None], value=o[:, None],
                           need_weights=False)[0]
             return h[:, 0].flip(0)
+        if self.form == "a scripted flip":
+            return _flipped(o)
         return torch.tanh(o * o.new_tensor(o).flip(0))  # "a copy by new_tensor"
 
 
+@pytest.mark.filterwarnings("ignore:To copy construct", "ignore:`torch.jit.script` is")
 @pytest.mark.parametrize("form", ["expand to a new axis of B", "a Python bool index",
                                   "a view of a buffer", "attention by keyword",
-                                  "a copy by new_tensor"])
+                                  "a copy by new_tensor", "a scripted flip"])
 def test_examples_mixed_out_of_sight_are_never_credited_by_taps(form):
     """None of these is tapped; the replay refuses them (its output check, or torch.func),
     never giving a gradient that depends on another record."""
@@ -244,6 +253,50 @@ def test_examples_mixed_out_of_sight_are_never_credited_by_taps(form):
     assert unit.calls[0].taps.grads(torch.float32) is None
     with pytest.raises((ValueError, RuntimeError)):
         engine.per_example_grads()
+
+
+class Keyword(nn.Module):
+    """A per-example tensor passed by keyword (against the fallback's contract), used
+    reversed: it is not shared, so its use is not tapped."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(4))
+
+    def forward(self, x, condition=None):
+        return torch.tanh(x + self.bias) * condition.flip(0)
+
+
+def test_a_per_example_tensor_by_keyword_is_not_tapped():
+    model = Keyword()
+    engine = PerExampleEngine(model, loss_reduction="sum")
+    (model(torch.randn(4, 4), condition=torch.randn(4, 4)) ** 2).sum().backward()
+    (unit,) = [u for u in engine.units if isinstance(u, FallbackUnit)]
+    assert unit.calls[0].taps.grads(torch.float32) is None
+    with pytest.raises(ValueError):
+        engine.per_example_grads()
+
+
+@dataclasses.dataclass
+class Output:
+    value: torch.Tensor
+
+
+class Boxed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return Output(x + self.bias)
+
+
+def test_outputs_in_an_object_dpcore_cannot_look_into_are_refused():
+    """Their backprops could not be kept: the gradient would silently be zero."""
+    model = Boxed()
+    PerExampleEngine(model)
+    with pytest.raises(TypeError, match="returned a Output holding tensors"):
+        model(torch.randn(3, 4))
 
 
 def test_a_layer_norm_over_the_batch_axis_is_refused():
