@@ -23,7 +23,7 @@ _HOME = {
     "PrivateOptimizer": "optimizer",
     "build_mechanism": "privacy", "make_private": "privacy",
     "clip_into": "step", "private_grads": "step",
-    "register_linear": "registered",
+    "register_linear": "registered", "ReplayMismatchError": "draws",
 }
 
 __all__ = sorted(_HOME)

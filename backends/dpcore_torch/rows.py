@@ -137,14 +137,6 @@ def _tensors(obj):
     return []
 
 
-def _dims(value, ndim: int) -> set[int] | None:
-    """The axes named by ``value`` (an int or a sequence), made non-negative."""
-    if value is None:
-        return None
-    values = [value] if isinstance(value, int) else list(value)
-    return {v % ndim if ndim else 0 for v in values}
-
-
 class Rows:
     """The rowwise and shared tensors of one recorded call of a unit, for a batch of
     ``batch``: ``inputs`` rowwise, ``shared`` (parameters, buffers, other arguments)
