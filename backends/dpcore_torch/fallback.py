@@ -206,10 +206,12 @@ class FallbackUnit:
         batch = next((a.shape[0] for a in args if _batched(a)), None)
         split = [kwargs[k] for k in _per_example_keywords(kwargs, batch)]
         inputs = [a for a in args if _batched(a)] + split
-        # shared: parameters, buffers, and arguments that cannot be per example (a keyword
-        # tensor of B rows may be, and stays unknown: any use of it loses track)
+        # shared: parameters, buffers, tensor attributes, and arguments that cannot be per
+        # example (a keyword tensor of B rows may be, and stays unknown: a use loses track)
         rows = Rows(-1 if batch is None else batch, inputs,
                     [*self.module.parameters(), *self.module.buffers(),
+                     *(v for m in self.module.modules() for v in vars(m).values()
+                       if isinstance(v, torch.Tensor)),  # attributes: caches, tables
                      *(t for t in tree_flatten((args, kwargs))[0]
                        if isinstance(t, torch.Tensor) and all(t is not i for i in inputs)
                        and not (t.dim() and t.shape[0] == batch))])

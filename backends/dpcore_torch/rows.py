@@ -5,8 +5,9 @@ per-example gradients are rows of backprops, and by the replay of random draws
 
 Every tensor the call meets is *rowwise* (row i depends on example i alone), *shared*
 (depends on no example), or unknown. The unit's positional inputs have the examples on
-axis 0 (the fallback's contract): rowwise. Its parameters and buffers, the other arguments,
-and tensors made from shared ones or from nothing are shared. The mode that records the
+axis 0 (the fallback's contract): rowwise. Its parameters and buffers, tensors its modules
+hold as attributes (a cache from an earlier call), the other arguments, and tensors made
+from shared ones or from nothing are shared. The mode that records the
 call shows every operation to a :class:`Rows`. An operation with a rowwise argument gives
 rowwise results if it keeps rows apart: elementwise operations with the rowwise operands
 aligned on axis 0, reductions and softmaxes over other axes, views and reshapes that keep
@@ -92,7 +93,12 @@ for _names, _at in ((("softmax", "log_softmax", "softmin", "cumsum", "cumprod",
                     (("repeat_interleave",), (2, None))):
     _ALONG_DIM.update(dict.fromkeys(_funcs(*_names), _at))
 _ALONG_DIM.update({torch.Tensor.unfold: (1, None)})  # windows along an axis (not F.unfold)
-_GATHERS = _funcs("gather", "index_select", "take_along_dim")  # (input, dim, index)
+_GATHERS = _funcs("gather", "index_select")  # (input, dim, index)
+_TAKE_ALONG = _funcs("take_along_dim")
+# operations on the last axes only, and the least rank that leaves axis 0 out of them
+_LAST_AXES = dict.fromkeys(_funcs("tril", "triu", "tril_", "triu_"), 3)
+_LAST_AXES.update(dict.fromkeys(_funcs("view_as_complex"), 2))
+_LAST_AXES.update(dict.fromkeys(_funcs("view_as_real"), 1))
 # reductions: dims that must be given and exclude 0, at this position
 _REDUCTIONS = dict.fromkeys(_funcs(
     "sum", "mean", "amax", "amin", "max", "min", "prod", "logsumexp", "var", "std",
@@ -248,6 +254,8 @@ class Rows:
     def _keeps_rows(self, func, args, kwargs, outs, rowwise) -> bool:
         if not outs or any(o.dim() == 0 or o.shape[0] != self.batch for o in outs):
             return False  # a value (.item(), a bool) or rows gone: the examples may mix
+        if "axis" in kwargs and "dim" not in kwargs:  # NumPy's name, which torch accepts
+            kwargs = {("dim" if k == "axis" else k): v for k, v in kwargs.items()}
         first, ndim = args[0] if args else None, outs[0].dim()
         alone = len(rowwise) == 1 and rowwise[0] is first  # the first argument, alone
         if type(func).__name__ == "method-wrapper":
@@ -266,6 +274,9 @@ class Rows:
             dim = kwargs.get("dim", _arg(args, at, default))
             return alone and isinstance(dim, int) and dim % first.dim() != 0
         if func in _REDUCTIONS:
+            other = kwargs.get("other", _arg(args, 1))
+            if isinstance(other, torch.Tensor):  # max(a, b), min(a, b): elementwise
+                return func in _funcs("max", "min") and all(t.dim() == ndim for t in rowwise)
             dim = kwargs.get("dim", _arg(args, _REDUCTIONS[func]))
             return (alone and isinstance(dim, (int, list, tuple)) and len(_listed(dim)) > 0
                     and 0 not in _axes(dim, first.dim()))
@@ -294,6 +305,14 @@ class Rows:
                                            and func is not torch.index_select
                                            and func not in _funcs("index_select"))
                             for t in rowwise))
+        if func in _TAKE_ALONG:  # (input, indices, dim)
+            dim = kwargs.get("dim", _arg(args, 2))
+            indices = kwargs.get("indices", _arg(args, 1))
+            return (isinstance(dim, int) and dim % first.dim() != 0
+                    and all(t is first or (t is indices and t.dim() == first.dim())
+                            for t in rowwise))
+        if func in _LAST_AXES:  # on the last axes only: tril, triu, complex views
+            return alone and first.dim() >= _LAST_AXES[func]
         if func is F.scaled_dot_product_attention:
             return all(t.dim() >= 3 and t.dim() == ndim for t in rowwise)
         if func in _GETITEM:

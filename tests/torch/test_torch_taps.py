@@ -325,3 +325,39 @@ def test_a_dropped_record_sends_the_call_to_the_replay():
     (unit,) = [u for u in engine.units if isinstance(u, FallbackUnit)]
     unit.calls[0].keep_rows(keep)
     assert unit.calls[0].taps.grads(torch.float64) is None
+
+
+class Rotary(nn.Module):
+    """Operations common in attention blocks that keep each example in its row: rotary
+    embeddings from a cached table (a plain tensor attribute) through complex views, a
+    causal mask by tril, binary max, take_along_dim, and axis= keywords; then a tapped
+    gain."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(4))
+        angles = torch.arange(3)[:, None] * torch.arange(1, 3)[None, :] * 0.3
+        self.cache = torch.polar(torch.ones(3, 2), angles)  # not a buffer
+
+    def forward(self, x):  # x (B, 3, 4)
+        pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], 2, 2))
+        h = torch.view_as_real(pairs * self.cache).flatten(-2)
+        scores = torch.tril(h @ h.transpose(1, 2))
+        h = torch.max(h, scores.sum(axis=-1, keepdim=True))
+        order = h.argsort(dim=-1)
+        return torch.take_along_dim(h, order, -1) * self.gain
+
+
+def test_common_attention_operations_keep_the_taps_and_match_the_oracle():
+    torch.manual_seed(7)
+    model = Rotary().double()
+    model.cache = model.cache.to(torch.complex128)
+    x = torch.randn(5, 3, 4, dtype=torch.float64)
+    expected = oracle(copy.deepcopy(model), x)
+    engine = PerExampleEngine(model, loss_reduction="sum")
+    (model(x) ** 2).sum().backward()
+    (unit,) = [u for u in engine.units if isinstance(u, FallbackUnit)]
+    assert unit.calls[0].lost is None
+    assert unit.calls[0].taps.grads(torch.float64) is not None
+    got = engine.per_example_grads()
+    assert torch.allclose(got["gain"], expected["gain"], rtol=1e-10)
