@@ -218,3 +218,20 @@ def test_a_noise_multiplier_too_small_for_float64_profiles_is_refused(z):
     with pytest.raises(ValueError, match="accountant='rdp'"):
         PLDAccountant([(0.5, z, 10)]).epsilon(1e-5)
     assert PLDAccountant([(0.5, 0.03, 10)]).epsilon(1e-5) > 10 * 0.5 / 0.03 ** 2
+
+
+def test_a_delta_below_the_discretisation_takes_the_rdp_bound():
+    """At delta below the PLD's resolution (its tails and rounding, about the tail mass,
+    are added to delta) the PLD bound is infinite; the accountant reports the RDP bound of
+    the same steps instead, finite and valid, and says so in the guarantee."""
+    from dpcore.accounting import RDPAccountant, guarantee
+    from dpcore.accounting.steps import check_step
+
+    steps = [check_step(0.01, 1.0, 1000), check_step(0.0, 1.0, 5)]
+    pld = PLDAccountant(steps)
+    assert math.isfinite(pld.epsilon(1e-14))
+    tiny = pld.epsilon(1e-16)
+    assert tiny == RDPAccountant(steps).epsilon(1e-16) and tiny > pld.epsilon(1e-14)
+    certified = guarantee(steps, 1e-16)
+    assert (certified.accountant, certified.epsilon, certified.steps) == ("rdp", tiny, 1005)
+    assert guarantee(steps, 1e-14).accountant == "pld"

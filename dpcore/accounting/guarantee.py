@@ -54,11 +54,16 @@ def guarantee(source: Source, delta: float, *, accountant: str = "pld", **option
     """The smallest epsilon the chosen accountant certifies for ``source`` at ``delta``."""
     delta = check.delta("delta", delta)
     acc = make_accountant(source, accountant, **options)
+    steps, rounded = acc.steps, acc.rounded
+    if isinstance(acc, PLDAccountant):
+        eps, accountant = acc.epsilon_and_accountant(delta)  # "rdp" below its resolution
+        if accountant == RDPAccountant.name:
+            acc = acc.rdp()
     if isinstance(acc, RDPAccountant):
         eps, order = acc.epsilon_and_order(delta)
     else:
-        eps, order = acc.epsilon(delta), None
-    return Guarantee(eps, delta, accountant, acc.steps, order, acc.rounded)
+        order = None
+    return Guarantee(eps, delta, accountant, steps, order, rounded)
 
 
 def epsilon(source: Source, delta: float, *, accountant: str = "pld", **options) -> float:

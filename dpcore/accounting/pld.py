@@ -59,8 +59,8 @@ import numpy as np
 from scipy import fft, optimize, signal, special
 
 from .. import _validation as check
-from .rdp import DEFAULT_MAX_GROUPS, DEFAULT_NOISE_RESOLUTION
-from .steps import Group, Source, group_steps
+from .rdp import DEFAULT_MAX_GROUPS, DEFAULT_NOISE_RESOLUTION, RDPAccountant
+from .steps import Group, Source, check_step, group_steps
 
 DEFAULT_VALUE_DISCRETIZATION = 1e-4
 DEFAULT_TAIL_MASS = 1e-15
@@ -467,16 +467,31 @@ class PLDAccountant:
 
     def epsilon(self, delta: float) -> float:
         """Smallest epsilon this accountant certifies at ``delta`` (an upper bound on the
-        exact epsilon)."""
+        exact epsilon); see :meth:`epsilon_and_accountant`."""
+        return self.epsilon_and_accountant(delta)[0]
+
+    def epsilon_and_accountant(self, delta: float) -> tuple[float, str]:
+        """(epsilon, "pld"), or (epsilon, "rdp") where ``delta`` is below what the
+        discretisation resolves (its truncated tails and rounding, about ``tail_mass``, are
+        added to delta, so the PLD bound is infinite there): the RDP bound of the same steps,
+        looser but finite, and as valid."""
         delta = check.delta("delta", delta)
         trivial = self._trivial()
         if trivial == "inf":
-            return math.inf
+            return math.inf, self.name
         if trivial == "zero":
-            return 0.0
+            return 0.0, self.name
         if trivial == "gaussian":
-            return gaussian_epsilon(self._gaussian_and_rest()[0], delta)
-        return max(pld.epsilon(delta) for pld in self._compose_all().values())
+            return gaussian_epsilon(self._gaussian_and_rest()[0], delta), self.name
+        epsilon = max(pld.epsilon(delta) for pld in self._compose_all().values())
+        if math.isinf(epsilon):
+            return self.rdp().epsilon(delta), RDPAccountant.name
+        return epsilon, self.name
+
+    def rdp(self) -> RDPAccountant:
+        """An RDP accountant of the same steps (noise multipliers as grouped here)."""
+        return RDPAccountant([check_step(q, z, c) for (q, z), c in self._groups.items()],
+                             noise_resolution=None)
 
     def delta(self, epsilon: float) -> float:
         """Smallest delta this accountant certifies at ``epsilon`` (an upper bound)."""
