@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .rows import function_name
+
 _ALPHA = 1.7580993408473766  # SELU's alpha * lambda, as in ATen's alpha dropout
 
 # dropout functions: (channel-wise?, alpha?, in place?, name of the probability, of the flag)
@@ -141,7 +143,7 @@ def _attention_weights(q, k, attn_mask, is_causal, scale, enable_gqa):
 def _attend(weights, value, q, enable_gqa, z, p):
     if enable_gqa:
         value = value.repeat_interleave(q.size(-3) // value.size(-3), dim=-3)
-    return (weights * z.div(1 - p)) @ value
+    return _apply_dropout(F.dropout, weights, z, p, False) @ value
 
 
 def _value_shape(func, args, kwargs) -> tuple:
@@ -254,17 +256,25 @@ class Recorder(_Draws):
         return out
 
     def multi_head_attention(self, args, kwargs):
-        self.suspended += 1  # its own code: the layout of its draws is known
-        try:
+        with unobserved():  # its own code: the layout of its draws is known
             return super().multi_head_attention(args, kwargs)
-        finally:
-            self.suspended -= 1
+
+
+def _recorder():
+    return getattr(_state, "recorder", None)
+
+
+def _active_rows():
+    """The row trackers of the calls being recorded."""
+    recorder = _recorder()
+    return [] if recorder is None else [call.rows for call in recorder.active]
 
 
 @contextmanager
 def unobserved():
-    """Operations run here (dpcore's own) are not shown to the calls being recorded."""
-    recorder = getattr(_state, "recorder", None)
+    """Operations run here (dpcore's own, a rule layer's) are not shown to the calls being
+    recorded."""
+    recorder = _recorder()
     if recorder is None:
         yield
         return
@@ -278,56 +288,51 @@ def unobserved():
 def share(tensors) -> None:
     """Take ``tensors`` (a unit's parameters as it holds them in a call) as shared by the
     calls being recorded."""
-    recorder = getattr(_state, "recorder", None)
-    if recorder is not None:
-        for call in recorder.active:
-            for t in tensors:
-                call.rows.share(t)
+    for rows in _active_rows():
+        rows.share_all(tensors)
 
 
 def alias(t, copy) -> None:
     """``copy``, made of ``t`` outside the mode (a hooked output's), as ``t`` is."""
-    recorder = getattr(_state, "recorder", None)
-    if recorder is not None:
+    for rows in _active_rows():
+        rows.alias(t, copy)
+
+
+def _observed_opaque(inputs, out) -> None:
+    """A layer's call, its operations unobserved, as a whole: its outputs are rowwise where
+    an input is (:meth:`dpcore_torch.rows.Rows.observe_opaque`)."""
+    recorder = _recorder()
+    if recorder is not None and not recorder.suspended:
         for call in recorder.active:
-            call.rows.alias(t, copy)
+            call.rows.observe_opaque(inputs, out)
 
 
 def enter_opaque(module, args, kwargs) -> None:
     """Forward pre-hook of a layer known to keep each example in its row whose own code
     moves the batch axis (``nn.MultiheadAttention``, ``batch_first``: checked by the
     engine): its operations are not followed (:func:`leave_opaque` after it)."""
-    recorder = getattr(_state, "recorder", None)
+    recorder = _recorder()
     if recorder is not None:
         recorder.suspended += 1
 
 
 def leave_opaque(module, args, kwargs, out) -> None:
-    """Forward hook closing :func:`enter_opaque`: the outputs are rowwise where an input
-    is."""
-    recorder = getattr(_state, "recorder", None)
+    """Forward hook closing :func:`enter_opaque`."""
+    recorder = _recorder()
     if recorder is not None and recorder.suspended:
         recorder.suspended -= 1
-        if not recorder.suspended:
-            for call in recorder.active:
-                call.rows.observe_opaque(list(args) + list(kwargs.values()), out)
+        _observed_opaque([*args, *kwargs.values()], out)
 
 
-def opaque(run, args):
-    """``run()``, a rule layer's forward on ``args`` (its arguments, keyword ones included):
-    its operations are not shown to the row trackers and taps, and its outputs are rowwise
-    where a tensor of ``args`` is (a rule keeps each example in its row)."""
-    recorder = getattr(_state, "recorder", None)
-    if recorder is None:
+def opaque(run, args, kwargs):
+    """``run()``, a rule layer's forward on ``args`` and ``kwargs``: its operations are not
+    shown to the row trackers and taps, and its outputs are rowwise where an input is (a
+    rule keeps each example in its row)."""
+    if _recorder() is None:  # every rule layer's call: nothing to do outside a recording
         return run()
-    recorder.suspended += 1
-    try:
+    with unobserved():
         out = run()
-    finally:
-        recorder.suspended -= 1
-    if not recorder.suspended:
-        for call in recorder.active:
-            call.rows.observe_opaque(args, out)
+    _observed_opaque([*args, *kwargs.values()], out)
     return out
 
 
@@ -360,32 +365,33 @@ class Replayer(_Draws):
         for this example, or the whole draw where the batch shares it."""
         if self.n >= len(self.draws):
             raise ReplayMismatchError(
-                f"the replay of {self.module} on one example called {_name(func)} after the "
-                f"{len(self.draws)} random draw(s) of its recorded call: how many it draws "
-                f"depends on the batch (or its data), and dpcore cannot replay that")
+                f"the replay of {self.module} on one example called {function_name(func)} "
+                f"after the {len(self.draws)} random draw(s) of its recorded call: how many "
+                f"it draws depends on the batch (or its data), and dpcore cannot replay that")
         kept, draw, aligned = self.draws[self.n]
         self.n += 1
         if kept is not func and not (func in _DROPOUTS and kept in _DROPOUTS):
             raise ReplayMismatchError(
-                f"the replay of {self.module} on one example called {_name(func)} where its "
-                f"recorded call drew with {_name(kept)} (random draw {self.n})")
+                f"the replay of {self.module} on one example called {function_name(func)} "
+                f"where its recorded call drew with {function_name(kept)} (random draw "
+                f"{self.n})")
         if tuple(draw.shape) == shape:
             return draw.clone()  # the replay may change it in place
         if draw.dim() and draw.shape[0] == self.batch and shape == (1, *draw.shape[1:]):
             if not aligned and self.lost is not None:
                 raise ReplayMismatchError(
-                    f"{self.module}'s forward pass drew {_name(func)} of {self.batch} rows "
-                    f"after {self.lost} (or before it, for use after it), an operation "
+                    f"{self.module}'s forward pass drew {function_name(func)} of {self.batch} "
+                    f"rows after {self.lost} (or before it, for use after it), an operation "
                     f"dpcore does not know to keep each example in its row: it cannot tell "
                     f"which row of the draw was example i's, so it cannot replay it. Keep "
                     f"the examples on axis 0 of the tensors around random draws")
             return draw.index_select(0, self.index.view(1))
         raise ReplayMismatchError(
-            f"the replay of {self.module} on one example drew {_name(func)} of shape "
-            f"{shape}, which is neither the recorded draw's shape {tuple(draw.shape)} (shared "
-            f"by the batch) nor one example's row of it: dpcore gives each example its row "
-            f"of a draw with the batch on axis 0 and cannot tell which part of this one "
-            f"belongs to the example")
+            f"the replay of {self.module} on one example drew {function_name(func)} of "
+            f"shape {shape}, which is neither the recorded draw's shape "
+            f"{tuple(draw.shape)} (shared by the batch) nor one example's row of it: dpcore "
+            f"gives each example its row of a draw with the batch on axis 0 and cannot tell "
+            f"which part of this one belongs to the example")
 
     def check_done(self) -> None:
         if self.n != len(self.draws):
@@ -428,11 +434,6 @@ class Replayer(_Draws):
         return value
 
 
-def _name(func) -> str:
-    owner = getattr(func, "__module__", None) or "torch.Tensor"
-    return f"{owner}.{func.__name__}"
-
-
 class Recording:
     """Context of a fallback call being recorded: its random draws go to ``draws`` (a list
     of (function, draw, aligned)), and its operations are shown to ``rows`` and ``taps``
@@ -442,7 +443,7 @@ class Recording:
         self.draws, self.rows, self.taps = draws, rows, taps
 
     def __enter__(self):
-        recorder = getattr(_state, "recorder", None)
+        recorder = _recorder()
         self.outermost = recorder is None
         if self.outermost:
             recorder = _state.recorder = Recorder()

@@ -112,8 +112,7 @@ class _RuleUnit:
             if not args and "input" in kwargs:  # layer(input=x)
                 args, kwargs = (kwargs["input"],), {k: v for k, v in kwargs.items()
                                                     if k != "input"}
-            return opaque(lambda: rule.forward(module, self.calls, args, kwargs),
-                          list(args) + list(kwargs.values()))
+            return opaque(lambda: rule.forward(module, self.calls, args, kwargs), args, kwargs)
 
         module.forward = forward
         instrumentation(module).added.add("forward")

@@ -123,16 +123,26 @@ _METADATA = _funcs("size", "dim", "numel", "nelement", "is_floating_point", "is_
                    "__str__")
 _GETITEM = _funcs("__getitem__")
 _SETITEM = _funcs("__setitem__")
+# single forms the per-operation checks tell apart (found once here, not per operation)
+_MAX_MIN, _STACK, _EXPAND_AS = _funcs("max", "min"), _funcs("stack"), _funcs("expand_as")
+_INDEX_SELECT, _FLATTEN, _UNSQUEEZE = (_funcs("index_select"), _funcs("flatten"),
+                                       _funcs("unsqueeze"))
+_SQUEEZE, _REPEAT, _PAD = _funcs("squeeze"), _funcs("repeat"), _funcs("pad")
+_EXPAND = _funcs("expand", "broadcast_to")
+_PERMUTE, _FLIP, _ROLL = _funcs("permute"), _funcs("flip"), _funcs("roll")
 _VIEW_GETTERS = {"mT": 3, "mH": 3, "data": 1, "real": 1, "imag": 1}  # name: least rank
 _DATA_GETTERS = {"T", "H", "grad"}  # properties whose value moves or mixes rows
 _READ_GETTERS = set(_VIEW_GETTERS) | _DATA_GETTERS  # the other properties read no values
 
 
-def _name(func) -> str:
+def function_name(func) -> str:
+    """A readable name of a function the torch function mode sees (torch.nn.functional.
+    dropout, torch.Tensor.transpose, Tensor.mT for a property)."""
     owner = getattr(func, "__self__", None)
     if type(func).__name__ == "method-wrapper" and owner is not None:
         return f"Tensor.{owner.__name__}"
-    return getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    name = getattr(func, "__name__", None) or repr(func)
+    return f"{getattr(func, '__module__', None) or 'torch.Tensor'}.{name}"
 
 
 def _tensors(obj):
@@ -190,6 +200,9 @@ class Rows:
         ref = self._shared.get(id(t))
         return ref is not None and ref() is t
 
+    def _unknown(self, tensors) -> bool:
+        return any(not self.rowwise(t) and not self.shared(t) for t in tensors)
+
     def observe(self, func, args, kwargs, out) -> None:
         """Follow one operation of the call (``out``: what the caller gets)."""
         if self.lost is not None or self.batch <= 1:
@@ -206,9 +219,8 @@ class Rows:
         if func in _SHAPED_LIKE:  # the second argument only gives a shape
             operands = operands[:1]
         tensors = _tensors(operands)
-        unknown = [t for t in tensors if not self.rowwise(t) and not self.shared(t)]
-        if unknown:
-            self.lost = f"{_name(func)} (on a tensor made where dpcore did not look)"
+        if self._unknown(tensors):
+            self.lost = f"{function_name(func)} (on a tensor made where dpcore did not look)"
             return
         rowwise = [t for t in tensors if self.rowwise(t)]
         if func in _SETITEM:
@@ -217,14 +229,14 @@ class Rows:
         if rowwise and isinstance(target, torch.Tensor) and not self.rowwise(target):
             # examples' values written into a tensor that was not theirs: views of it made
             # before would carry them unseen
-            self.lost = _name(func)
+            self.lost = function_name(func)
             return
         if not rowwise:
             for t in _tensors(out):
                 self.share(t)
             return
         if not self._keeps_rows(func, args, kwargs, _tensors(out), rowwise):
-            self.lost = _name(func)
+            self.lost = function_name(func)
             return
         for t in _tensors(out):
             self.mark(t)
@@ -232,8 +244,7 @@ class Rows:
     def require(self, outputs) -> None:
         """Lose track unless every one of the call's ``outputs`` is rowwise or shared (one
         made where the mode did not look, by ``torch.jit.script`` say, is neither)."""
-        if self.lost is None and self.batch > 1 and any(
-                not self.rowwise(t) and not self.shared(t) for t in outputs):
+        if self.lost is None and self.batch > 1 and self._unknown(outputs):
             self.lost = "an output made where dpcore did not look"
 
     def observe_opaque(self, inputs, out) -> None:
@@ -242,7 +253,7 @@ class Rows:
         if self.lost is not None or self.batch <= 1:
             return
         tensors = _tensors(list(inputs))
-        if any(not self.rowwise(t) and not self.shared(t) for t in tensors):
+        if self._unknown(tensors):
             self.lost = "a layer called on a tensor made where dpcore did not look"
         elif any(self.rowwise(t) for t in tensors):
             for t in _tensors(out):
@@ -276,7 +287,7 @@ class Rows:
         if func in _REDUCTIONS:
             other = kwargs.get("other", _arg(args, 1))
             if isinstance(other, torch.Tensor):  # max(a, b), min(a, b): elementwise
-                return func in _funcs("max", "min") and all(t.dim() == ndim for t in rowwise)
+                return func in _MAX_MIN and all(t.dim() == ndim for t in rowwise)
             dim = kwargs.get("dim", _arg(args, _REDUCTIONS[func]))
             return (alone and isinstance(dim, (int, list, tuple)) and len(_listed(dim)) > 0
                     and 0 not in _axes(dim, first.dim()))
@@ -284,12 +295,12 @@ class Rows:
             return alone and _keeps_axis0(func, args, kwargs, first, outs[0])
         if func in _SHAPED_LIKE:  # the first's rows (the other gave only a shape)
             return first.shape[0] == outs[0].shape[0] and (
-                func not in _funcs("expand_as") or first.dim() == outs[0].dim())
+                func not in _EXPAND_AS or first.dim() == outs[0].dim())
         if func in _TRANSPOSES:
             return alone and _fixes_axis0(func, args, kwargs, first.dim())
         if func in _JOINS:
             dim = kwargs.get("dim", _arg(args, 1, 0))
-            rank = ndim - (func in _funcs("stack"))
+            rank = ndim - (func in _STACK)
             return (isinstance(dim, int) and dim % ndim != 0
                     and all(t.dim() == rank for t in rowwise))
         if func in _PRODUCTS:
@@ -302,8 +313,7 @@ class Rows:
             return (any(t is first for t in rowwise) and isinstance(dim, int)
                     and dim % first.dim() != 0
                     and all(t is first or (t is index and t.dim() == first.dim()
-                                           and func is not torch.index_select
-                                           and func not in _funcs("index_select"))
+                                           and func not in _INDEX_SELECT)
                             for t in rowwise))
         if func in _TAKE_ALONG:  # (input, indices, dim)
             dim = kwargs.get("dim", _arg(args, 2))
@@ -343,36 +353,36 @@ def _keeps_axis0(func, args, kwargs, x, out) -> bool:
     the input's (a reshape in C order that keeps the first size keeps the rows)."""
     if out.shape[0] != x.shape[0]:
         return False
-    if func in _funcs("flatten"):
+    if func in _FLATTEN:
         return kwargs.get("start_dim", _arg(args, 1, 0)) % x.dim() != 0
-    if func in _funcs("unsqueeze"):
+    if func in _UNSQUEEZE:
         return kwargs.get("dim", _arg(args, 1)) % out.dim() != 0
-    if func in _funcs("squeeze"):
+    if func in _SQUEEZE:
         dim = kwargs.get("dim", _arg(args, 1))
         return dim is None or 0 not in _axes(dim, x.dim())
-    if func in _funcs("repeat"):
+    if func in _REPEAT:
         sizes = list(args[1:]) if isinstance(_arg(args, 1), int) else list(_arg(args, 1, ()))
         return len(sizes) == x.dim() and sizes[0] == 1
-    if func in _funcs("pad"):
+    if func in _PAD:
         return len(kwargs.get("pad", _arg(args, 1, ()))) // 2 < x.dim()
-    if func in _funcs("expand", "broadcast_to"):  # no new leading axis (of B, by chance)
+    if func in _EXPAND:  # no new leading axis (of B, by chance)
         return out.dim() == x.dim()
     return True  # view, reshape (C order: the same first size keeps the rows)
 
 
 def _fixes_axis0(func, args, kwargs, ndim: int) -> bool:
     """A transpose, permutation, flip or roll that leaves axis 0 where it is."""
-    if func in _funcs("permute"):
+    if func in _PERMUTE:
         order = kwargs.get("dims", list(args[1:]))
         if len(order) == 1 and not isinstance(order[0], int):
             order = list(order[0])
         return order[0] % ndim == 0
-    if func in _funcs("flip"):
+    if func in _FLIP:
         dims = kwargs.get("dims", list(args[1:]))
         if len(dims) == 1 and not isinstance(dims[0], int):
             dims = list(dims[0])
         return 0 not in _axes(dims, ndim)
-    if func in _funcs("roll"):
+    if func in _ROLL:
         dims = kwargs.get("dims", _arg(args, 2))
         return dims is not None and 0 not in _axes(dims, ndim)
     named = [v for v in list(args[1:]) + list(kwargs.values())
