@@ -298,13 +298,14 @@ def alias(t, copy) -> None:
         rows.alias(t, copy)
 
 
-def _observed_opaque(inputs, out) -> None:
-    """A layer's call, its operations unobserved, as a whole: its outputs are rowwise where
-    an input is (:meth:`dpcore_torch.rows.Rows.observe_opaque`)."""
+def _observed_opaque(inputs, out, batch_outputs=None) -> None:
+    """A layer's call, its operations unobserved, as a whole: its outputs (``batch_outputs``
+    of them where given) are rowwise where an input is
+    (:meth:`dpcore_torch.rows.Rows.observe_opaque`)."""
     recorder = _recorder()
     if recorder is not None and not recorder.suspended:
         for call in recorder.active:
-            call.rows.observe_opaque(inputs, out)
+            call.rows.observe_opaque(inputs, out, batch_outputs)
 
 
 def enter_opaque(module, args, kwargs) -> None:
@@ -324,15 +325,15 @@ def leave_opaque(module, args, kwargs, out) -> None:
         _observed_opaque([*args, *kwargs.values()], out)
 
 
-def opaque(run, args, kwargs):
+def opaque(run, args, kwargs, batch_outputs):
     """``run()``, a rule layer's forward on ``args`` and ``kwargs``: its operations are not
-    shown to the row trackers and taps, and its outputs are rowwise where an input is (a
-    rule keeps each example in its row)."""
+    shown to the row trackers and taps, and its ``batch_outputs(out)`` are rowwise where an
+    input is (a rule keeps each example in its row)."""
     if _recorder() is None:  # every rule layer's call: nothing to do outside a recording
         return run()
     with unobserved():
         out = run()
-    _observed_opaque([*args, *kwargs.values()], out)
+    _observed_opaque([*args, *kwargs.values()], out, batch_outputs(out))
     return out
 
 

@@ -112,7 +112,8 @@ class _RuleUnit:
             if not args and "input" in kwargs:  # layer(input=x)
                 args, kwargs = (kwargs["input"],), {k: v for k, v in kwargs.items()
                                                     if k != "input"}
-            return opaque(lambda: rule.forward(module, self.calls, args, kwargs), args, kwargs)
+            return opaque(lambda: rule.forward(module, self.calls, args, kwargs), args, kwargs,
+                          lambda out: rule.batch_outputs(module, out))
 
         module.forward = forward
         instrumentation(module).added.add("forward")

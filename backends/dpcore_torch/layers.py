@@ -349,6 +349,10 @@ class Rule:
     def forward(self, module, use_list, args, kwargs):
         raise NotImplementedError
 
+    def batch_outputs(self, module, out):
+        """The outputs of a call that have the examples on axis 0 (all of them)."""
+        return out
+
     def grad(self, module, use, name):
         raise NotImplementedError
 

@@ -196,6 +196,13 @@ class RecurrentRule(Rule):
         out, state = _run(module, call, x, hx, lengths)
         return (out if packed is None else _repacked(out, lengths, packed)), state
 
+    def batch_outputs(self, module, out):
+        """A cell's outputs; a layer's output sequence unless packed (the hidden states have
+        the examples on axis 1, a packed sequence's data has them on none)."""
+        if isinstance(module, nn.RNNCellBase):
+            return out
+        return out[0] if isinstance(out[0], torch.Tensor) else ()
+
     @staticmethod
     def _part(use, attr):
         """(``weight`` or ``bias``, the map's Use) of parameter ``attr``."""
@@ -299,10 +306,12 @@ def _run(module, call: RecurrentCall, x, hx, lengths=None):
                                 for n, s in zip(new, state))
                 state = new
                 ys[t] = state[0]
-            outputs.append(torch.stack(ys, 1))
+            outputs.append(torch.stack(ys))
             h_n.append(state[0])
             c_n.append(state[1])
-        x = outputs[0] if dirs == 1 else torch.cat(outputs, 2)
+        # (B, T, d) with PyTorch's layout, (T, B, d) in memory, so that dropout (between
+        # layers, or the user's after the layer) draws the masks PyTorch's own run would
+        x = (outputs[0] if dirs == 1 else torch.cat(outputs, 2)).transpose(0, 1)
         if module.dropout and module.training and layer < layers - 1:
             x = F.dropout(x, module.dropout, training=True)
     h_n = torch.stack(h_n)

@@ -154,6 +154,24 @@ def test_outputs_and_final_states_equal_the_fused_layer(layer):
     engine.detach()
 
 
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_dropout_between_and_after_layers_draws_pytorchs_masks(bidirectional):
+    """The output has the fused layer's layout ((T, B, d) in memory), so dropout between the
+    layers and after the layer draws, under one seed, the masks of PyTorch's own run."""
+    torch.manual_seed(3)
+    rnn = nn.LSTM(D_IN, 4, num_layers=2, dropout=0.4, batch_first=True,
+                  bidirectional=bidirectional).double()
+    plain = copy.deepcopy(rnn)
+    x, _ = batch(6)
+    PerExampleEngine(rnn)
+    outputs = []
+    for model in (rnn, plain):
+        torch.manual_seed(4)
+        outputs.append(F.dropout(model(x)[0], 0.5))
+    assert outputs[0].stride() == outputs[1].stride()
+    assert torch.equal(*outputs)
+
+
 @pytest.mark.parametrize("prefer", ["memory", "time"])
 def test_steps_the_loss_never_reaches_contribute_zero(prefer):
     """Only the first output of a one-way GRU is used: the later steps' recurrent maps get no
