@@ -25,10 +25,13 @@ non-private steps in 0.1 s, at least 5 and at most 100.
 
 Memory: each (workload, mode) runs in a fresh subprocess that builds the model, optimizer and
 batch, records its resident set size (RSS, /proc/self/statm), resets the kernel's peak-RSS
-counter (/proc/self/clear_refs), runs three steps and reads the peak (VmHWM in
-/proc/self/status). Peak memory of a step = peak RSS - RSS before the
-first step: it counts every allocation of the step (activations, backprops, per-example
-gradients, noise), including torch's and the allocator's. The child runs with
+counter (/proc/self/clear_refs), runs the first step and reads the peak (VmHWM in
+/proc/self/status), then resets the counter again, runs three more steps and reads the peak.
+Peak memory of a step = peak RSS - RSS before the first step: it counts every allocation of
+the step (activations, backprops, per-example gradients, noise), including torch's and the
+allocator's. The ratios are those of the later steps (a training loop's steady state); the
+first step's peak, which holds one-time work (dpcore's independence check of the model, its
+timing of convolution forms), is printed beside them. The child runs with
 MALLOC_MMAP_THRESHOLD_=65536, so glibc maps every block above 64 KiB separately and returns it
 on free (by default the threshold grows with freed blocks and RSS keeps freed memory), and RSS
 follows live memory; small allocations may stay cached, which inflates all modes alike a little.
@@ -157,21 +160,26 @@ def _peak_rss() -> int:
     return int(line.split()[1]) * 1024
 
 
-def peak_memory(name: str, mode: str, steps: int = 3) -> int:
-    """Bytes: peak RSS during ``steps`` steps minus RSS before them (run in this process).
+def peak_memory(name: str, mode: str, steps: int = 3) -> tuple[int, int]:
+    """Bytes (first step, the ``steps`` steps after it): peak RSS during them minus RSS
+    before the first step (run in this process).
 
     Writing 5 to /proc/self/clear_refs resets the kernel's peak-RSS counter (VmHWM) to the
-    current RSS, so the set-up (imports, model) does not count."""
+    current RSS, so the set-up (imports, model) and the first step do not count in the
+    later steps' peak."""
     step = build(name, mode)
     before = _rss()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    for _ in range(steps):
-        step()
-    return _peak_rss() - before
+    peaks = []
+    for count in (1, steps):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        for _ in range(count):
+            step()
+        peaks.append(_peak_rss() - before)
+    return peaks[0], peaks[1]
 
 
-def memory_in_subprocess(name: str, mode: str) -> int | None:
+def memory_in_subprocess(name: str, mode: str) -> tuple[int, int] | None:
     cmd = [sys.executable, __file__, "--memory-child", name, mode]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -205,18 +213,20 @@ def main(argv=None) -> None:
                                                 rounds=args.rounds, block=args.block)
         mem = {} if args.no_memory else {m: memory_in_subprocess(name, m) for m in med}
         base_t = med.get("non-private")
-        base_m = mem.get("non-private")
+        base_m = mem.get("non-private", (None, None))[1]
         print(f"\n{name} ({rounds} rounds of {block} steps per mode)")
-        print(f"  {'mode':<17} {'step ms':>8} {'x time':>7} {'peak MiB':>9} {'x memory':>9}")
+        print(f"  {'mode':<17} {'step ms':>8} {'x time':>7} {'peak MiB':>9} {'x memory':>9} "
+              f"{'first step MiB':>15}")
         for mode, error in failed.items():
             print(f"  {mode:<17} fails: {error}")
         for mode in med:
             t = med[mode] * 1e3
             rt = f"{med[mode] / base_t:.2f}" if base_t else "-"
-            m = mem.get(mode)
+            first, m = mem.get(mode) or (None, None)
             ms = f"{m / 2**20:.1f}" if m is not None else "-"
             rm = f"{m / base_m:.2f}" if m is not None and base_m else "-"
-            print(f"  {mode:<17} {t:8.2f} {rt:>7} {ms:>9} {rm:>9}")
+            fs = f"{first / 2**20:.1f}" if first is not None else "-"
+            print(f"  {mode:<17} {t:8.2f} {rt:>7} {ms:>9} {rm:>9} {fs:>15}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from torch import nn
 from .attention import ATTENTION_RULES
 from .draws import enter_opaque, leave_opaque, opaque
 from .fallback import FallbackUnit, recording
+from .independence import Probe, probing
 from .instrumentation import forget, instrumentation
 from .layers import (PREFERENCES, RULES, AccumulationError, NotPerExampleError, Rule,
                      add_contraction, keep_rows, row_sq_norms)
@@ -131,12 +132,14 @@ class PerExampleEngine:
     ``mode="auto"`` uses the layer rules and falls back to ``torch.func`` per module;
     ``mode="vmap"`` treats the whole model as one ``torch.func`` unit. ``prefer`` ("memory" or
     "time") chooses between ghost norms and materialised gradients per layer
-    (:func:`dpcore_torch.layers.use_ghost`). Call :meth:`clear` (the
+    (:func:`dpcore_torch.layers.use_ghost`). ``check_independence`` probes the first training
+    forward pass of ``module`` for mixing of the examples (:mod:`dpcore_torch.independence`;
+    in ``"auto"`` mode, where the layers' backprops are used). Call :meth:`clear` (the
     private optimizer does) between steps, :meth:`detach` to restore the module.
     """
 
     def __init__(self, module: nn.Module, *, mode: str = "auto", loss_reduction: str = "mean",
-                 prefer: str = "memory"):
+                 prefer: str = "memory", check_independence: bool = True):
         if prefer not in PREFERENCES:
             raise ValueError(f"prefer must be one of {PREFERENCES}, got {prefer!r}")
         self.prefer = prefer
@@ -168,6 +171,9 @@ class PerExampleEngine:
             self._add_fallback(module, recurse=True, prefix="")
         else:
             self._walk(module, "")
+        self._probe = Probe(self.units, list(self.params.values()),
+                            {id(m): n or "<root>" for n, m in module.named_modules()},
+                            recording) if check_independence and mode == "auto" else None
         # units form every gradient per example; one reaching a parameter is from elsewhere
         self._handles += [p.register_hook(self._leak_detector(leaf))
                           for leaf, p in self.params.items()]
@@ -178,6 +184,12 @@ class PerExampleEngine:
             if isinstance(sub, nn.MultiheadAttention):  # its code transposes the batch axis
                 hooks += [sub.register_forward_pre_hook(enter_opaque, with_kwargs=True),
                           sub.register_forward_hook(leave_opaque, with_kwargs=True)]
+            if sub is module and self._probe is not None:
+                hooks += [  # not traced into a compiled model's call
+                    sub.register_forward_pre_hook(torch.compiler.disable(self._probe.start),
+                                                  with_kwargs=True),
+                    sub.register_forward_hook(torch.compiler.disable(self._probe.finish),
+                                              with_kwargs=True)]
             if hooks:
                 instrumentation(sub).hooks.extend(hooks)
                 self._handles += hooks
@@ -219,7 +231,8 @@ class PerExampleEngine:
 
     def _leak_detector(self, leaf: str):
         def detect(grad):
-            if grad is not None:  # our layers' functions return None for parameters
+            # our layers' functions return None for parameters; the check's passes are ignored
+            if grad is not None and not probing():
                 self._leaked.add(leaf)
             return grad
         return detect
@@ -236,7 +249,7 @@ class PerExampleEngine:
             unit.remove()
         for handle in self._handles:
             handle.remove()
-        self.units, self._handles = [], []
+        self.units, self._handles, self._probe = [], [], None
         self.module.__dict__.pop("_dpcore_engine", None)
         for sub in self.module.modules():
             forget(sub)
@@ -244,7 +257,9 @@ class PerExampleEngine:
     def clear(self) -> None:
         """Forget the inputs and backprops kept for the current step. A call no backward pass
         has reached yet is kept through one ``clear`` (``optimizer.zero_grad()`` between a
-        forward and its backward pass), and forgotten at the next."""
+        forward and its backward pass), and forgotten at the next. The independence check's
+        rerun, if pending, is made here, once the kept tensors are released (before the
+        private optimizer or :func:`dpcore_torch.step.private_grads` releases anything)."""
         waiting = set()
         for unit in self.units:
             calls, unit.calls[:] = list(unit.calls), []
@@ -257,6 +272,8 @@ class PerExampleEngine:
         self._waiting = waiting
         self._leaked.clear()
         self._summed.clear()
+        if self._probe is not None:
+            self._probe.rerun_if_pending(self.module)
 
     # ------------------------------------------------------------------ per-step results
     @property

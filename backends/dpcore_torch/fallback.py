@@ -33,6 +33,7 @@ from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .draws import Recording, Replayer, ReplayMismatchError, alias, share, unobserved
+from .independence import probing
 from .instrumentation import instrumentation
 from .layers import birth, cast_to, keep_rows, late_backward, tick
 from .rows import Rows
@@ -302,6 +303,8 @@ class FallbackUnit:
     @staticmethod
     def _keeper(call, k):
         def keep(g):
+            if probing():
+                return
             if not call.g:  # released
                 raise late_backward()
             call.g[k] = g if call.g[k] is None else call.g[k] + g

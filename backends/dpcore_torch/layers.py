@@ -38,6 +38,8 @@ from torch.nn.grad import conv1d_input, conv2d_input
 
 from dpcore.rounding import ghost_margin, sum_margin
 
+from .independence import NotPerExampleError, probing
+
 
 def keep_rows(t, keep):
     """``t`` (examples on axis 0) with the rows where ``keep`` is False set to 0; anything but
@@ -56,10 +58,6 @@ def cast_to(t, dtype):
 
 class AccumulationError(RuntimeError):
     """Gradients of several backward passes in one step (gradient accumulation)."""
-
-
-class NotPerExampleError(ValueError):
-    """The model contains a layer whose output for one example depends on other examples."""
 
 
 #: ``tick()``: a number larger than every earlier one, for when a call was made or first
@@ -95,7 +93,10 @@ class Use:
 
     def arrive(self, g) -> None:
         """Add the backprop ``g`` of this call's output, from a backward pass (several
-        backward passes through one forward, e.g. one per loss term, add up)."""
+        backward passes through one forward, e.g. one per loss term, add up). The
+        independence check's backward pass is ignored."""
+        if probing():
+            return
         if self.x is None:
             raise late_backward()
         self.g = g if self.g is None else self.g + g

@@ -57,7 +57,7 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
                  epochs: int | None = None, clipping="flat", loss_reduction: str = "mean",
                  ledger=None, seed: int | None = None, mode: str = "auto",
                  prefer: str = "memory", accountant: str = "pld", clip_policy=None,
-                 budget=None, on_nonfinite: str = "raise"):
+                 budget=None, on_nonfinite: str = "raise", check_independence: bool = True):
     """Private (module, optimizer, data_loader).
 
     Give ``noise_multiplier`` z, or ``target_epsilon`` with ``target_delta`` and ``epochs`` to
@@ -69,6 +69,10 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     rule exists, ``torch.func`` elsewhere) or ``"vmap"`` (``torch.func`` for the whole model);
     ``prefer`` ("memory" or "time") picks ghost norms or materialised per-example gradients per
     layer (:func:`dpcore_torch.layers.use_ghost`). ``accountant`` calibrates ``target_epsilon``.
+    ``check_independence``: the model's first training forward pass raises
+    :class:`NotPerExampleError` if its backward pass mixes the examples of the batch
+    (:mod:`dpcore_torch.independence`); turn it off only for a model whose outputs do not have
+    the examples on axis 0.
 
     ``clip_policy`` makes the clip move: ``"adaptive"`` (adaptive quantile clipping with the
     paper's defaults, starting from ``max_grad_norm``; the noise multiplier is the total, count
@@ -94,7 +98,8 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
                              "noise multiplier")
         noise_multiplier = calibrate(target_epsilon, target_delta, q,
                                      epochs * steps_per_epoch(q), accountant)
-    engine = PerExampleEngine(module, mode=mode, loss_reduction=loss_reduction, prefer=prefer)
+    engine = PerExampleEngine(module, mode=mode, loss_reduction=loss_reduction, prefer=prefer,
+                              check_independence=check_independence)
     mechanism = build_mechanism(clipping, engine.leaf_sizes, max_grad_norm, noise_multiplier)
     aggregator = PrivateAggregator(
         mechanism, n=n, q=q, backend="torch", ledger=ledger, seed=seed,

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
+from .independence import probing
 from .layers import LinearRule, Rule, Use, _Linear, birth, cast_to, tick
 
 _LINEAR = LinearRule()
@@ -125,9 +126,10 @@ class _StepLinear(torch.autograd.Function):
     def backward(ctx, g):
         weight = ctx.saved_tensors[0]
         steps, g_w = ctx.steps, cast_to(g, weight.dtype)
-        steps.gs[ctx.k] = g_w if steps.gs[ctx.k] is None else steps.gs[ctx.k] + g_w
-        if steps.reached_at is None:
-            steps.reached_at = tick()
+        if not probing():
+            steps.gs[ctx.k] = g_w if steps.gs[ctx.k] is None else steps.gs[ctx.k] + g_w
+            if steps.reached_at is None:
+                steps.reached_at = tick()
         gu = g.matmul(cast_to(weight, g.dtype)) if ctx.needs_input_grad[2] else None
         return None, None, gu, None, None
 

@@ -31,6 +31,8 @@ import math
 
 import torch
 
+from .independence import probing
+
 # (function, the operands' roles): the forms above, as the torch function mode sees them
 _ADD = {torch.Tensor.add, torch.add, torch.Tensor.__add__, torch.Tensor.__radd__}
 _SUB = {torch.Tensor.sub, torch.sub, torch.Tensor.__sub__}
@@ -83,7 +85,8 @@ class _Use:
         self.coefficient, self.factor, self.g = coefficient, factor, None
 
     def keep(self, g):
-        self.g = g if self.g is None else self.g + g
+        if not probing():
+            self.g = g if self.g is None else self.g + g
 
 
 def _per_example(t, shape):
@@ -114,6 +117,8 @@ class Taps:
 
     def receive(self, key, g) -> None:
         """The gradient that reached the held parameter ``key`` (through every use)."""
+        if probing():
+            return
         self.received[key] = g if self.received[key] is None else self.received[key] + g
 
     def observe(self, func, args, kwargs, out):

@@ -1,0 +1,310 @@
+"""The independence check (dpcore_torch.independence): a model whose backward pass mixes the
+examples of a batch is refused on its first training forward pass; per-example models pass,
+and the check changes nothing the engine forms or the user's random streams."""
+
+import copy
+import math
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from dpcore_torch import NotPerExampleError, PerExampleEngine, make_private  # noqa: E402
+from test_torch_per_example import assert_matches_oracle  # noqa: E402
+
+
+class RollRows(torch.autograd.Function):
+    """The identity, whose backward moves each gradient row to the next example."""
+
+    @staticmethod
+    def forward(ctx, h):
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.roll(1, 0)
+
+
+class Own(nn.Module):
+    """A module with a parameter of its own (the engine's fallback), reversing the gradient
+    rows of its input if ``hook``."""
+
+    def __init__(self, hook=True):
+        super().__init__()
+        self.gain, self.hook = nn.Parameter(torch.ones(8)), hook
+
+    def forward(self, h):
+        if self.hook and h.requires_grad:
+            h.register_hook(lambda g: g.flip(0))
+        return h * self.gain
+
+
+class Model(nn.Module):
+    """Two Linear layers; ``form`` puts something between them (or after the second)."""
+
+    def __init__(self, form="none"):
+        super().__init__()
+        self.form = form
+        self.first, self.second, self.extra = nn.Linear(5, 8), nn.Linear(8, 3), nn.Linear(8, 8)
+        self.own = Own() if form == "hook in a fallback module" else nn.Identity()
+        self.table = nn.Linear(5, 8) if form == "layer on shared rows" else None
+
+    def forward(self, x):
+        if self.form == "inputs normalised by the batch":
+            x = (x - x.mean(0)) / (x.var(0, correction=0) + 1)
+        h = self.first(x)
+        if self.form == "detached batch mean":
+            h = h - h.mean(0).detach()
+        elif self.form == "gradient scaled by a batch statistic" and h.requires_grad:
+            scale = h.detach().var(0, correction=0) + 1
+            h.register_hook(lambda g: g / scale)
+        elif self.form == "a course set by the batch":
+            if torch.unique(x, dim=0).shape[0] == x.shape[0]:
+                h = self.extra(h)
+        elif self.form == "batch mean":
+            h = h - h.mean(0)
+        elif self.form == "straight-through batch mean":  # the values unchanged
+            m = h.mean(0, keepdim=True)
+            h = h + (m - m.detach())
+        elif self.form == "hook moving gradient rows" and h.requires_grad:
+            h.register_hook(lambda g: g.roll(1, 0))
+        elif self.form == "autograd function":
+            h = RollRows.apply(h)
+        elif self.form == "reordered batch":
+            h = h[h[:, 0].argsort()]
+        elif self.form == "layer on shared rows":  # B rows that are not the examples
+            h = h + self.table(torch.linspace(0, 1, 5 * x.shape[0]).reshape(-1, 5)).mean(0)
+        h = self.own(torch.tanh(h))
+        out = self.second(h)
+        return out - out.mean(0) if self.form == "batch mean of the output" else out
+
+
+#: each form, and the layer closest to the output whose output's gradient it mixes
+MIXING = {"batch mean": "first", "straight-through batch mean": "first",
+          "hook moving gradient rows": "first", "autograd function": "first",
+          "reordered batch": "first", "layer on shared rows": "table",
+          "hook in a fallback module": "first", "batch mean of the output": "second"}
+#: found by running the pass again, with the other examples replaced, at the step
+RERUN = {"detached batch mean": "second", "inputs normalised by the batch": "first",
+         "gradient scaled by a batch statistic": "first", "a course set by the batch": None}
+
+
+def first_step(model, engine, x):
+    """Forward, backward, the norms and the engine's clear (where the rerun is made)."""
+    model(x).square().sum().backward()
+    engine.sq_norms(list(engine.params))
+    engine.clear()
+
+
+@pytest.mark.parametrize("form", sorted(MIXING | RERUN))
+def test_a_model_that_mixes_the_examples_is_refused_before_its_first_step(form):
+    """A mixing the gradient shows is refused at the forward pass (nothing back-propagated),
+    any other by the rerun, once the step's sums are formed (before they are released)."""
+    torch.manual_seed(0)
+    model = Model(form)
+    engine = PerExampleEngine(model)
+    name = (MIXING | RERUN)[form]
+    where = "another course" if name is None else f"Linear '{name}'"
+    with pytest.raises(NotPerExampleError,
+                       match=rf"mixes the examples(?=.*{where})(?=.*\[0, 3\] of 6)"):
+        if form in MIXING:
+            model(torch.randn(6, 5))
+        else:
+            first_step(model, engine, torch.randn(6, 5))
+    if form in MIXING:
+        assert all(not call.reached for unit in engine.units for call in unit.calls)
+
+
+@pytest.mark.parametrize("form", sorted(set(MIXING | RERUN) - {"reordered batch"}))
+def test_a_batch_of_one_example_is_not_checked_and_the_next_batch_is(form):
+    """One example cannot be mixed with others; the check waits for a batch of two. (How a
+    batch is reordered depends on its data.)"""
+    torch.manual_seed(0)
+    model = Model(form)
+    engine = PerExampleEngine(model)
+    first_step(model, engine, torch.randn(1, 5))
+    with pytest.raises(NotPerExampleError, match=r"\[0\] of 2"):
+        first_step(model, engine, torch.randn(2, 5))
+
+
+@pytest.mark.parametrize("form", ["batch mean", "detached batch mean"])
+def test_make_private_checks_before_recording_and_can_be_told_not_to(form):
+    data = TensorDataset(torch.randn(64, 5), torch.randint(0, 3, (64,)))
+    for check in (True, False):
+        torch.manual_seed(0)
+        model = Model(form)
+        weights = [p.detach().clone() for p in model.parameters()]
+        model, optimizer, loader = make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=16),
+            noise_multiplier=1.0, max_grad_norm=1.0, seed=0, check_independence=check)
+        x, y = next(iter(loader))
+        if check:
+            with pytest.raises(NotPerExampleError):
+                F.cross_entropy(model(x), y).backward()
+                optimizer.step()
+            assert all(math.isinf(step.noise_multiplier)  # nothing released (a sampling
+                       for step in optimizer.ledger.steps())  # at most, which costs nothing)
+            assert all(map(torch.equal, weights, model.parameters()))
+        else:
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            assert len(optimizer.ledger.steps()) == 1
+
+
+class TimeMajor(nn.Module):
+    """Per example, but returns (T, B, C): the check takes axis 0 for the examples."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(5, 3)
+
+    def forward(self, x):  # x (B, T, 5)
+        return self.layer(x).transpose(0, 1)
+
+
+def test_outputs_without_the_examples_on_axis_0_need_the_check_turned_off():
+    torch.manual_seed(1)
+    x = torch.randn(4, 4, 5, dtype=torch.float64)
+    model = TimeMajor().double()
+    checked = copy.deepcopy(model)
+    PerExampleEngine(checked)
+    with pytest.raises(NotPerExampleError, match="check_independence=False"):
+        checked(x)  # the cotangent of row 0 of axis 0 reaches every example
+    engine = PerExampleEngine(model, loss_reduction="sum", check_independence=False)
+    (model(x) ** 2).sum().backward()
+    out = F.linear(x, model.layer.weight, model.layer.bias)
+    expected = torch.einsum("bto,bti->boi", 2 * out, x)
+    assert torch.allclose(engine.per_example_grads()["layer.weight"], expected)
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 16)
+        self.encoder = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.2, batch_first=True)
+        self.lstm = nn.LSTM(16, 8, batch_first=True)
+        self.token = nn.Parameter(torch.randn(1, 1, 8))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, k):
+        h = self.lstm(self.encoder(self.embed(k)))[0]
+        h = torch.cat([self.token.expand(h.shape[0], -1, -1), h], 1)
+        return self.head(F.dropout(h, 0.1, self.training)).mean(1)
+
+
+class Convolutional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4)
+        self.head = nn.Linear(4 * 7 * 7, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.norm(self.conv(x))).flatten(1))
+
+
+class Stateful(nn.Module):
+    """Per example, with buffers its forward pass updates (spectral normalisation's power
+    iteration, a count of calls it uses, a statistic of the inputs it does not use) and an
+    input it changes in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.utils.parametrizations.spectral_norm(nn.Linear(5, 8))
+        self.second = nn.Linear(8, 3)
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("seen", torch.zeros(5))
+
+    def forward(self, x):
+        x.mul_(2)
+        with torch.no_grad():
+            self.calls += 1
+            self.seen += x.abs().sum(0)
+        return self.second(torch.tanh(self.first(x))) / self.calls
+
+
+@pytest.mark.parametrize("name", ["attention", "convolutional", "checkpointed", "stateful"])
+def test_per_example_models_pass_and_the_check_changes_nothing(name):
+    """Same seed with and without the check: the same outputs, per-example gradients, norms
+    and buffers, and the same state of the global generator afterwards."""
+    results = []
+    for check in (True, False):
+        torch.manual_seed(3)
+        if name == "attention":
+            model, x = Attention(), torch.randint(0, 11, (5, 6))
+        elif name == "convolutional":
+            model, x = Convolutional(), torch.randn(5, 1, 9, 9)
+        elif name == "checkpointed":
+            layers = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+            model = nn.Sequential(layers[0], nn.Tanh(), layers[2])
+            model.forward = lambda x: checkpoint(layers, x, use_reentrant=True)
+            x = torch.randn(5, 5, requires_grad=True)
+        else:
+            model, x = Stateful(), torch.randn(5, 5)
+        engine = PerExampleEngine(model, check_independence=check)
+        out = model(x)
+        out.square().mean().backward()
+        grads = engine.per_example_grads()
+        norms = engine.sq_norms(list(engine.params))
+        buffers = [t.clone() for t in model.buffers()]
+        results.append((out.detach(), grads, norms, torch.get_rng_state(), buffers))
+    (out, grads, norms, state, buffers), (out0, grads0, norms0, state0, buffers0) = results
+    assert torch.equal(out, out0) and torch.equal(norms, norms0) and torch.equal(state, state0)
+    assert all(torch.equal(grads[k], grads0[k]) for k in grads0)
+    assert len(buffers) == len(buffers0) and all(map(torch.equal, buffers, buffers0))
+
+
+def test_a_mixing_model_behind_reentrant_checkpointing_is_not_checked():
+    """torch.autograd.grad cannot pass a reentrant checkpoint: the check is skipped."""
+    torch.manual_seed(0)
+    inner = Model("batch mean")
+    model = nn.Sequential(inner)
+    model.forward = lambda x: checkpoint(inner, x, use_reentrant=True)
+    PerExampleEngine(model)
+    model(torch.randn(6, 5, requires_grad=True)).sum().backward()
+
+
+class LossOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(5, 1)
+
+    def forward(self, x):
+        return self.layer(x).square().mean()
+
+
+def test_a_model_returning_only_its_loss_warns_once_that_it_cannot_be_checked():
+    model = LossOnly()
+    PerExampleEngine(model)
+    with pytest.warns(UserWarning, match="could not check that LossOnly"):
+        model(torch.randn(4, 5)).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.randn(4, 5))
+
+
+def test_a_per_example_model_with_its_own_parameters_matches_the_oracle_after_the_check():
+    torch.manual_seed(4)
+    model = Model("none").double()
+    model.own = Own(hook=False).double()
+    x = torch.randn(5, 5, dtype=torch.float64)
+    assert_matches_oracle(model, x, torch.randint(0, 3, (5,)), "mean")
+
+
+@pytest.mark.parametrize("form", ["none", "detached batch mean"])
+def test_a_compiled_model_is_checked_outside_its_compiled_call(form):
+    torch.manual_seed(0)
+    model = Model(form)
+    model.compile(backend="eager")
+    engine = PerExampleEngine(model)
+    x = torch.randn(6, 5)
+    if form == "none":
+        model(x).sum().backward()
+        assert engine.sq_norms(list(engine.params)).shape == (6, len(engine.params))
+    else:
+        with pytest.raises(NotPerExampleError, match="Linear 'second'"):
+            first_step(model, engine, x)
