@@ -5,49 +5,61 @@ The engine forms example i's gradient from the input x_i and the backprop g_i th
 i of each instrumented layer. That is example i's own gradient only if neither depends on
 another example: x_i on example i's data alone, and g_i = sum_j d l_j / d out_i on example
 i's loss alone. A statistic of the batch (``h - h.mean(0)``, detached or not, a BatchNorm
-written by hand, inputs normalised by the batch), a reordering of the batch, a hook or custom
-autograd Function that moves gradient rows or scales them by a batch statistic, a
-straight-through term ``h + (m - m.detach())``, or a layer applied to B rows that are not the
-examples, breaks this: each example's "gradient" would carry other records' data, and
-clipping would not bound any one record's influence.
+written by hand, inputs normalised by the batch), a reference row (``h - h[:1]``), a
+reordering or pairing of the batch, a hook or custom autograd Function that moves gradient
+rows or scales them by a batch statistic, a straight-through term ``h + (m - m.detach())``,
+or a layer applied to B rows that are not the examples, breaks this: each example's
+"gradient" would carry other records' data, and clipping would not bound any one record's
+influence.
 
-The check looks at rows K = {0, B // 2} of the batch ({0} when B = 2: no shift or reversal
-of the batch maps K onto itself), in two parts:
+Rows are compared through statistics: per row of a tensor, its projection on a fixed
+pseudo-random direction and its norm (float64). The check has two parts:
 
-1. *Backward*, at the end of the pass: a random cotangent v in rows K of the model's outputs
-   is sent back through the retained graph; the gradient J^T v reaching every layer's output
-   must be zero outside rows K (up to 1e-6 of its largest entry).
+1. *Backward*, at the end of the pass. With u(v) = J^T v the gradient that a cotangent v on
+   the model's outputs sends to a layer's output, the model keeps the examples apart iff
+   u(c v) = c u(v) row by row for every per-row scaling c (row j of u depends on row j of v
+   alone). A random v is sent back through the retained graph, then twice more scaled by
+   random powers of two per row (exact in floating point); each row's statistics must scale
+   by its own factor (to 1e-6 of the row's norm). Mixing between rows i and j passes a
+   scaling only if c_i = c_j: for one pair of rows, with 17 factors and two scalings, in
+   1 / 289 of the cases; for anything that touches many rows, essentially never.
 2. *Rerun*, when the engine is next cleared (the private optimizer and
    :func:`dpcore_torch.step.private_grads` clear it once the step's sums are formed, before
    anything is released; the pass's graph and the step's kept tensors are freed by then,
-   so the rerun's graph is the only one held): the pass runs again (same parameters,
-   random state, buffers, training modes and autocast, inputs as passed) with every other
-   example's input replaced by example 0's, and v is sent back again. In rows K, every
-   layer's output, the model's outputs and J^T v must be unchanged (up to 1e-4 of their
-   largest entry, 8 ulps for 16-bit floats).
+   so the rerun's graph is the only one held). The rows are split at random into two halves;
+   for each half, the pass runs again (same parameters, random state, buffers, generators
+   held by the modules, training modes and autocast; inputs as passed) with every row of the
+   other half given the input of one row of this half, and v is sent back again. In this
+   half's rows every layer's output, the model's outputs and u(v) must be unchanged (to 1e-5
+   of the row's norm on the CPU, whose kernels repeat a row exactly; two ulps of 16-bit
+   floats elsewhere). This sees what carries no gradient (detached statistics, inputs
+   normalised by the batch) and backward passes that scale rows by statistics of others.
 
-Gradients are read by hooks on the layers' outputs, row K slices kept, so the check holds no
-more than a backward pass does. The engine's book-keeping ignores its backward passes
-(:func:`probing`) and drops the rerun's layer calls; the recording of a fallback call around
-the first part does not see it (:mod:`dpcore_torch.draws`); its random numbers come from a
-generator of its own, so the user's random streams are unchanged. Not seen: mixing inside the
-loss (the model's outputs are probed; the loss is the user's), and mixing that only later
-batches trigger.
+Gradients are read by hooks on the layers' outputs, only their row statistics kept, so the
+check holds no more than a backward pass does. The engine's book-keeping ignores its
+backward passes (:func:`probing`) and drops the rerun's layer calls; the recording of a
+fallback call around the first part does not see it (:mod:`dpcore_torch.draws`); its random
+numbers come from a generator of its own, so the user's random streams are unchanged. Not
+seen: mixing inside the loss (the model's outputs are probed; the loss is the user's), and
+mixing that only later batches trigger.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from .draws import unobserved
+from .snapshot import Snapshot
 
 BACKWARD_TOLERANCE = 1e-6
-RERUN_TOLERANCE = 1e-4
-_AUTOCAST_DEVICES = ("cpu", "cuda")
+RERUN_TOLERANCE = 1e-5
+SCALINGS = 2  # scaled backward passes; factors 2^e, e uniform in -8..8
+_ROOT_SEEDS = 1 << 20  # the model's outputs' directions (a layer's: its index)
 _active = False
 
 
@@ -70,9 +82,20 @@ def _probing():
         _active = previous
 
 
+def _leaves(out) -> list:
+    """The leaves of ``out``, dataclasses (a model's output class) opened."""
+    leaves = []
+    for leaf in tree_flatten(out)[0]:
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            leaves += _leaves([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+        else:
+            leaves.append(leaf)
+    return leaves
+
+
 def _batch_tensors(out, b: int) -> list[torch.Tensor]:
     """The floating-point tensors of ``out`` with gradients and the b examples on axis 0."""
-    return [t for t in tree_flatten(out)[0]
+    return [t for t in _leaves(out)
             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
             and t.dim() > 0 and t.shape[0] == b]
 
@@ -99,97 +122,41 @@ def _has_reentrant_checkpoint(roots) -> bool:
     return False
 
 
-def _kept(t):
-    """An input as passed, safe from changes the forward pass makes to it in place."""
-    if not isinstance(t, torch.Tensor):
-        return t
-    return t.detach().clone().requires_grad_(t.requires_grad)
+def row_statistics(t: torch.Tensor, seed: int) -> torch.Tensor:
+    """(B, 2) float64: each row's projection on a fixed pseudo-random direction (``seed``)
+    and its norm. Scaling a row by a power of two scales both exactly."""
+    flat = t.detach().reshape(t.shape[0], -1).double()
+    direction = torch.randn(flat.shape[1], generator=torch.Generator().manual_seed(seed),
+                            dtype=torch.float64).to(flat.device)
+    return torch.stack([flat @ direction, flat.norm(dim=1)], 1).cpu()
 
 
-class _Before:
-    """What the rerun starts from: the pass's inputs, parameters' versions, random state,
-    buffers, training modes and autocast."""
-
-    def __init__(self, module, args, kwargs):
-        self.inputs = tree_map(_kept, (args, kwargs))
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.buffers = {id(t): t.detach().clone() for t in module.buffers()}
-        self.versions = {id(p): p._version for p in module.parameters()}
-        self.training = [m.training for m in module.modules()]
-        self.autocast = [(d, torch.get_autocast_dtype(d), torch.is_autocast_enabled(d))
-                         for d in _AUTOCAST_DEVICES]
-
-    def parameters_changed(self, module) -> bool:
-        """Whether a parameter changed in place since the pass began (the pass clamped it,
-        say): the rerun could not start from the same parameters."""
-        return any(p._version != self.versions.get(id(p)) for p in module.parameters())
-
-    def others_as_first(self, b: int, rows: list[int]):
-        """(args, kwargs) with every row outside ``rows`` of every input of b rows replaced
-        by row ``rows[0]``; None if that changes nothing."""
-        changed = False
-
-        def replace(t):
-            nonlocal changed
-            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != b:
-                return t
-            with torch.no_grad():
-                new = t.detach().clone()
-                new[:] = t[rows[0]]
-                new[rows] = t[rows]
-            changed = changed or not torch.equal(new, t)
-            return new.requires_grad_(t.requires_grad)
-
-        inputs = tree_map(replace, self.inputs)
-        return inputs if changed else None
-
-    @contextlib.contextmanager
-    def restored(self, module):
-        """The pass's random state, training modes and autocast, and copies of its buffers
-        in place of the buffers, all put back on exit."""
-        held = [(m, name, t) for m in module.modules() for name, t in m._buffers.items()
-                if t is not None]
-        modes = [m.training for m in module.modules()]
-        devices = list(range(len(self.cuda))) if self.cuda is not None else []
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.random.fork_rng(devices=devices))
-            torch.set_rng_state(self.cpu)
-            if self.cuda is not None:
-                torch.cuda.set_rng_state_all(self.cuda)
-            for device, dtype, enabled in self.autocast:
-                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
-            stack.enter_context(torch.enable_grad())
-            try:
-                for m, name, t in held:
-                    m._buffers[name] = self.buffers[id(t)].clone()
-                for m, training in zip(module.modules(), self.training):
-                    m.training = training
-                yield
-            finally:
-                for m, name, t in held:
-                    m._buffers[name] = t
-                for m, training in zip(module.modules(), modes):
-                    m.training = training
+def _deviating(got, want, tolerance: float):
+    """Rows where statistics ``got`` differ from ``want`` (B, 2) by more than ``tolerance``
+    of the row's norm (a NaN where the other has none differs); (rows, worst, its norm)."""
+    both_nan = got.isnan() & want.isnan()
+    deviation = torch.where(both_nan | (got == want), 0, (got - want).abs()).amax(1)
+    norms = want[:, 1].nan_to_num(0)
+    bad = ~(deviation <= tolerance * norms)
+    if not bool(bad.any()):
+        return None
+    worst = int(torch.where(bad, deviation.nan_to_num(float("inf")), -1).argmax())
+    return bad.nonzero()[:, 0].tolist(), float(deviation[worst]), float(norms[worst])
 
 
 class _Pass:
-    """What a pass gave in rows K: its course (which units gave outputs of which shapes), the
-    layers' and the model's outputs, and the gradients J^T v at the layers' outputs."""
+    """What the pass gave: its course (which units gave outputs of which shapes) and the row
+    statistics of the layers' outputs, the model's outputs and u(v) at the layers' outputs."""
 
-    def __init__(self, roots, layers, grads, rows):
+    def __init__(self, roots, layers, grads):
         self.course = _course(roots, layers)
-        self.roots = [t.detach()[rows].clone() for t in roots]
-        self.layers = [(unit, t.detach()[rows].clone()) for unit, t in layers]
+        self.layers = [row_statistics(t, k) for k, (_, t) in enumerate(layers)]
+        self.roots = [row_statistics(t, _ROOT_SEEDS + k) for k, t in enumerate(roots)]
         self.grads = grads
 
 
 def _course(roots, layers):
     return [(id(unit), t.shape) for unit, t in layers], [t.shape for t in roots]
-
-
-def _tolerance(t: torch.Tensor) -> float:
-    return max(RERUN_TOLERANCE, 8 * torch.finfo(t.dtype).eps)
 
 
 class Probe:
@@ -206,9 +173,9 @@ class Probe:
         self._captured: list = []  # (unit, output) in call order
         self._hooks: list = []
         self._counts: dict[int, int] = {}
-        self._before: _Before | None = None
+        self._before: Snapshot | None = None
         self._first: _Pass | None = None
-        self._batch, self._rows = 0, []
+        self._batch = 0
         self._cotangents: list = []
         self._rerun_output = None
         self._rng = torch.Generator().manual_seed(0)
@@ -223,7 +190,7 @@ class Probe:
         if self.state != "waiting" or not self.recording():
             return
         with torch._C.DisableTorchFunction():  # unseen by a recording fallback call around it
-            self._before = _Before(module, args, kwargs)
+            self._before = Snapshot(module, args, kwargs)
         self._capture_calls(module)
         self.state = "capturing"
 
@@ -271,7 +238,11 @@ class Probe:
                 self._captured = []
                 return  # no layer call, batches of several sizes (the engine refuses), B < 2
             self.state = "done"
-            self._check_backward(module, output, sizes.pop())
+            try:
+                self._check_backward(module, output, sizes.pop())
+            finally:
+                if self.state != "pending":
+                    self._before, self._cotangents = None, []
 
     # ------------------------------------------------------------------ part 1
     def _check_backward(self, module, output, b: int) -> None:
@@ -279,76 +250,95 @@ class Probe:
         if not roots:
             warnings.warn(
                 f"dpcore could not check that {type(module).__name__} keeps the examples of a "
-                f"batch apart: none of its outputs has the batch's {b} examples on axis 0 "
-                f"(a model that returns only its loss, say). The check is skipped; make sure "
-                f"nothing in the model mixes examples (statistics of the batch)", stacklevel=3)
+                f"batch apart: none of its outputs is a tensor with the batch's {b} examples "
+                f"on axis 0 (a model that returns only its loss, say). Make sure nothing in "
+                f"the model mixes examples (statistics of the batch)", stacklevel=3)
             return
         if _has_reentrant_checkpoint(roots):
             return
-        self._batch, rows = b, [0, b // 2] if b > 2 else [0]
-        self._rows = rows
-        self._cotangents = []
-        for t in roots:
-            v = torch.zeros_like(t)
-            noise = torch.randn((len(rows), *t.shape[1:]), generator=self._rng, dtype=t.dtype)
-            v[rows] = noise.to(t.device)
-            self._cotangents.append(v)
-        grads, outside = self._backprops(roots, layers, retain=True)
-        mixed = None
-        for (unit, _), g, out in zip(layers, grads, outside):  # the last: nearest the mixing
-            inside = 0.0 if g is None else float(g.abs().max())
-            if out > BACKWARD_TOLERANCE * inside:
-                mixed = unit, out, inside
-        if mixed is not None:
-            unit, out, inside = mixed
-            raise self._error(
-                f"the gradient from the outputs of examples {rows} of {b} reached other "
-                f"examples' rows of the output of {self._name(unit)} (largest {out:.3g}, "
-                f"against {inside:.3g} in those examples' rows): something after that layer "
-                f"moves gradient between examples")
-        if self._before.others_as_first(b, rows) is not None:
-            self._first, self.state = _Pass(roots, layers, grads, rows), "pending"
-        else:
-            self._before, self._cotangents = None, []
+        self._batch = b
+        self._cotangents = [torch.randn(t.shape, generator=self._rng, dtype=t.dtype).to(t.device)
+                            for t in roots]
+        grads = self._backprops(roots, layers, retain=True)
+        for _ in range(SCALINGS):
+            scale = torch.randint(-8, 9, (b,), generator=self._rng).double().exp2()
+            scaled = self._backprops(roots, layers, retain=True, scale=scale)
+            mixed = None
+            for (unit, _), got, want in zip(layers, scaled, grads):  # the last: nearest
+                if got is not None and want is not None:
+                    found = _deviating(got, want * scale[:, None], BACKWARD_TOLERANCE)
+                    if found is not None:
+                        mixed = unit, found
+            if mixed is not None:
+                unit, (rows, deviation, norm) = mixed
+                raise self._error(
+                    f"the gradient reaching the output of {self._name(unit)} (the last layer "
+                    f"to show it) does not scale with each example's own gradient at the "
+                    f"model's outputs: rows {rows[:8]} of {b} receive gradient from other "
+                    f"rows (by {deviation:.3g}, against {norm:.3g}); something after that "
+                    f"layer moves gradient between examples")
+        self._first = _Pass(roots, layers, grads)
+        self.state = "pending"
 
-    def _backprops(self, roots, layers, *, retain: bool):
-        """(J^T v in rows K, its largest entry outside rows K) at each layer output, read by
-        hooks (None, 0 where the outputs do not depend on it)."""
-        rows, grads, outside = self._rows, [None] * len(layers), [0.0] * len(layers)
+    def _backprops(self, roots, layers, *, retain: bool, scale=None) -> list:
+        """Row statistics of u(v) at each layer output, its rows scaled by ``scale`` (None
+        where the outputs do not depend on it), read by hooks."""
+        found = [None] * len(layers)
 
         def reader(k):
             def read(g):
-                g = g.detach()
-                grads[k] = g[rows].clone()
-                others = torch.ones(g.shape[0], dtype=torch.bool, device=g.device)
-                others[rows] = False
-                outside[k] = float(g[others].abs().max()) if g[0].numel() else 0.0
+                found[k] = row_statistics(g, k)
             return read
 
         leaves = [p for p in self.leaves if p.requires_grad]  # (some frozen since)
         if not leaves:
-            return grads, outside
+            return found
+        cotangents = self._cotangents if scale is None else [
+            v * scale.to(v.device, v.dtype).reshape(-1, *[1] * (v.dim() - 1))
+            for v in self._cotangents]
         handles = [t.register_hook(reader(k)) for k, (_, t) in enumerate(layers)]
         try:
             with _probing():  # through every unit to its parameters; nothing is returned
-                torch.autograd.grad(roots, leaves, self._cotangents, retain_graph=retain,
+                torch.autograd.grad(roots, leaves, cotangents, retain_graph=retain,
                                     allow_unused=True)
         finally:
             for handle in handles:
                 handle.remove()
-        return grads, outside
+        return found
 
     # ------------------------------------------------------------------ part 2
     def rerun_if_pending(self, module) -> None:
-        """Make the pending rerun (the engine's ``clear``). Nothing it records stays."""
+        """Make the pending reruns (the engine's ``clear``). Nothing they record stays."""
         if self.state != "pending":
             return
         before, first, self._before, self._first = self._before, self._first, None, None
         self.state = "done"
-        b, rows = self._batch, self._rows
-        if before.parameters_changed(module):
-            return
-        args, kwargs = before.others_as_first(b, rows)
+        try:
+            if before.parameters_changed(module):
+                return
+            b = self._batch
+            order = torch.randperm(b, generator=self._rng).tolist()
+            halves = [sorted(order[:(b + 1) // 2]), sorted(order[(b + 1) // 2:])]
+            inputs, found = zip(*[before.replaced(b, kept, kept[0]) for kept in halves])
+            if not any(found):
+                warnings.warn(
+                    f"dpcore could check only the gradients of {type(module).__name__} for "
+                    f"mixing of the examples, not its forward pass: none of its inputs is a "
+                    f"tensor or list with the batch's {b} examples on axis 0 (a time-major "
+                    f"tensor, or an object dpcore cannot rebuild, say). Make sure nothing in "
+                    f"the model computes statistics of the batch", stacklevel=4)
+            elif all(i is None for i in inputs):  # the rows are all alike: the next pass
+                self.state = "waiting"
+            for kept, replaced in zip(halves, inputs):
+                if replaced is not None:
+                    self._rerun(module, before, first, replaced, kept)
+        finally:
+            self._cotangents = []
+
+    def _rerun(self, module, before: Snapshot, first: _Pass, inputs, kept) -> None:
+        """Run the pass again with ``inputs``; the rows ``kept`` must not change."""
+        args, kwargs = inputs
+        b = self._batch
         self.state = "rerun"
         self._capture_calls(module)
         try:
@@ -362,46 +352,48 @@ class Probe:
                 if first.course != _course(roots, layers):
                     raise self._error(
                         f"the forward pass took another course (other layer calls or shapes) "
-                        f"when the examples other than {rows} of {b} were replaced by example "
-                        f"{rows[0]}")
-                self._compare(first.layers, [(u, t.detach()[rows]) for u, t in layers],
+                        f"when the examples other than {kept[:8]} of {b} were replaced")
+                tensors, units = [t for _, t in layers], [unit for unit, _ in layers]
+                self._compare(first.layers, [row_statistics(t, k) for k, t
+                                             in enumerate(tensors)], tensors, units, kept,
                               "the output of", " (the first layer output to change)")
-                self._compare([(None, t) for t in first.roots],
-                              [(None, t.detach()[rows]) for t in roots], "the model's output")
-                grads, _ = self._backprops(roots, layers, retain=False)
-                units = [unit for unit, _ in layers]
-                self._compare(list(zip(units, first.grads)), list(zip(units, grads)),
+                self._compare(first.roots, [row_statistics(t, _ROOT_SEEDS + k) for k, t
+                                            in enumerate(roots)], roots, None, kept,
+                              "the model's output")
+                grads = self._backprops(roots, layers, retain=False)
+                self._compare(first.grads, grads, tensors, units, kept,
                               "the gradient reaching the output of", " (the last to change)",
                               last=True)
         finally:
-            self.state, self._cotangents = "done", []
+            self.state = "done"
             for unit in self.units:  # the rerun's calls: not part of any step
                 new, unit.calls[self._counts[id(unit)]:] = unit.calls[self._counts[id(unit)]:], []
                 for call in new:
                     call.release()
 
-    def _compare(self, first, second, what: str, which: str = "", *,
+    def _compare(self, first, second, tensors, units, kept, what: str, which: str = "", *,
                  last: bool = False) -> None:
-        """Raise if a tensor of ``second`` (rows K) differs from ``first``'s (a NaN where the
-        other has none is a difference), naming the first one that does (the ``last``)."""
+        """Raise if the statistics ``second`` (of ``tensors``, outputs of ``units`` or of the
+        model) differ from ``first``'s in rows ``kept``, naming the first that does (the
+        ``last``)."""
         changed = None
-        for (unit, a), (_, c) in zip(first, second):
-            if a is None or c is None or not a.numel():
+        for k, (want, got, t) in enumerate(zip(first, second, tensors)):
+            if want is None or got is None:
                 continue
-            equal = (a == c) | (a.isnan() & c.isnan())
-            deviation = float(torch.where(equal, 0, (a - c).abs()).max())
-            scale = float(torch.where(a.isfinite(), a.abs(), 0).max())
-            if not deviation <= _tolerance(a) * scale:
-                changed = unit, deviation, scale
+            tolerance = RERUN_TOLERANCE if t.device.type == "cpu" else max(
+                RERUN_TOLERANCE, 2 * torch.finfo(t.dtype).eps)
+            found = _deviating(got[kept], want[kept], tolerance)
+            if found is not None:
+                changed = (None if units is None else units[k]), found
                 if not last:
                     break
         if changed is not None:
-            unit, deviation, scale = changed
+            unit, (rows, deviation, norm) = changed
             where = what if unit is None else f"{what} {self._name(unit)}{which}"
             raise self._error(
-                f"{where} changed in the rows of examples {self._rows} of {self._batch} by "
-                f"{deviation:.3g} (against {scale:.3g}) when the other examples were replaced "
-                f"by example {self._rows[0]}")
+                f"{where} changed in the rows of examples {[kept[r] for r in rows][:8]} of "
+                f"{self._batch} by {deviation:.3g} (against a norm of {norm:.3g}) when the "
+                f"other examples' inputs were replaced")
 
     def _name(self, unit) -> str:
         return f"{type(unit.module).__name__} {self.names.get(id(unit.module), '?')!r}"
@@ -411,8 +403,9 @@ class Probe:
         return NotPerExampleError(
             f"the model mixes the examples of a batch: {finding}. The cause may be a "
             f"statistic of the batch (h - h.mean(0), detached or not, inputs normalised by the "
-            f"batch), a reordering, a hook or autograd Function that moves or rescales "
-            f"gradient rows, or a layer applied to a tensor whose rows are not the examples. "
-            f"Each example's gradient would depend on the others, and clipping would not bound "
-            f"it. Remove the mixing; if the model's inputs or outputs have B rows that are not "
-            f"the examples, pass check_independence=False")
+            f"batch), a reference row, a reordering or pairing of the batch, a hook or "
+            f"autograd Function that moves or rescales gradient rows, or a layer applied to a "
+            f"tensor whose rows are not the examples. Each example's gradient would depend on "
+            f"the others, and clipping would not bound it. Remove the mixing; if the model's "
+            f"inputs or outputs have B rows that are not the examples, pass "
+            f"check_independence=False")

@@ -1,0 +1,159 @@
+"""A forward pass's starting point, kept so that the pass can be run again: its inputs (copied,
+so that changes the pass makes to them in place do not reach the copy), and the state it read
+(random state, buffers, generators held by modules, training modes, autocast). The
+independence check (:mod:`dpcore_torch.independence`) runs the pass again from it, with the
+inputs of some examples replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _kept(t):
+    """An input as passed, safe from changes the forward pass makes to it in place."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    return t.detach().clone().requires_grad_(t.requires_grad)
+
+
+def _per_example_list(obj, b) -> bool:
+    """Whether ``obj`` is a list of b rows (texts, sequences) rather than a container."""
+    return (b is not None and isinstance(obj, list) and len(obj) == b
+            and not any(isinstance(o, (list, tuple, Mapping)) or dataclasses.is_dataclass(o)
+                        for o in obj))
+
+
+def _rebuilt(obj, fn, b=None):
+    """``obj`` with ``fn`` applied to each tensor (and each list of b rows), through tuples,
+    lists, mappings and dataclasses; a mapping its class cannot rebuild is left as it is."""
+    if isinstance(obj, torch.Tensor) or _per_example_list(obj, b):
+        return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _rebuilt(getattr(obj, f.name), fn, b)
+                                           for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
+        return type(obj)(*(_rebuilt(o, fn, b) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_rebuilt(o, fn, b) for o in obj)
+    if isinstance(obj, Mapping):
+        try:
+            return type(obj)({k: _rebuilt(v, fn, b) for k, v in obj.items()})
+        except TypeError:
+            return obj
+    return obj
+
+
+def _same(a, c) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(c, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(c, torch.Tensor)
+                and a.shape == c.shape and bool(torch.equal(a, c)))
+    return a is c or a == c
+
+
+class Snapshot:
+    """What a forward pass of ``module`` started from: its inputs (copies), the parameters'
+    versions, random state, buffers, the modules' own generators, training modes and
+    autocast."""
+
+    def __init__(self, module, args, kwargs):
+        self.inputs = _rebuilt((args, kwargs), _kept)
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.buffers = _buffers(module, copy=True)
+        self.generators = _generators(module)
+        self.versions = {id(p): p._version for p in module.parameters()}
+        self.training = [m.training for m in module.modules()]
+        self.autocast = [(d, torch.get_autocast_dtype(d), torch.is_autocast_enabled(d))
+                         for d in _AUTOCAST_DEVICES]
+
+    def parameters_changed(self, module) -> bool:
+        """Whether a parameter changed in place since the pass began (the pass clamped it,
+        say): the rerun could not start from the same parameters."""
+        return any(p._version != self.versions.get(id(p)) for p in module.parameters())
+
+    def replaced(self, b: int, kept, source: int):
+        """((args, kwargs) with every row outside ``kept`` of every input of b rows (a tensor
+        with b rows, a list of b texts or sequences) given row ``source``'s values, or None
+        if that changes nothing; whether there is such an input)."""
+        changed = found = False
+        others = torch.ones(b, dtype=torch.bool)
+        others[kept] = False
+
+        def replace(t):
+            nonlocal changed, found
+            found = found or isinstance(t, list) or (t.dim() > 0 and t.shape[0] == b)
+            if isinstance(t, list):
+                new = [t[source] if others[i] else row for i, row in enumerate(t)]
+                changed = changed or not all(_same(a, c) for a, c in zip(new, t))
+                return new
+            if t.dim() == 0 or t.shape[0] != b:
+                return t
+            with torch.no_grad():
+                new = t.detach().clone()
+                new[others.to(t.device)] = t[source]
+            changed = changed or not torch.equal(new, t)
+            return new.requires_grad_(t.requires_grad)
+
+        args, kwargs = self.inputs
+        inputs = _rebuilt(list(args), replace, b), _rebuilt(kwargs, replace, b)
+        return (inputs if changed else None), found
+
+    @contextlib.contextmanager
+    def restored(self, module):
+        """The pass's random state, generators, training modes and autocast, and copies of
+        its buffers in place of the buffers, all put back on exit."""
+        after, after_generators = _buffers(module), _generators(module)
+        modes = [m.training for m in module.modules()]
+        devices = list(range(len(self.cuda))) if self.cuda is not None else []
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=devices))
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state_all(self.cuda)
+            for device, dtype, enabled in self.autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+            stack.enter_context(torch.enable_grad())
+            try:
+                _set_buffers(module, {key: None if t is None else t.clone()
+                                      for key, t in self.buffers.items()})
+                for generator, state in self.generators:
+                    generator.set_state(state)
+                for m, training in zip(module.modules(), self.training):
+                    m.training = training
+                yield
+            finally:
+                _set_buffers(module, after)
+                for generator, state in after_generators:
+                    generator.set_state(state)
+                for m, training in zip(module.modules(), modes):
+                    m.training = training
+
+
+def _buffers(module, copy: bool = False) -> dict:
+    """{(module, name): buffer} of every module (copies if ``copy``)."""
+    return {(id(m), name): (t.detach().clone() if copy and t is not None else t)
+            for m in module.modules() for name, t in m._buffers.items()}
+
+
+def _set_buffers(module, values: dict) -> None:
+    """Set every buffer to its value in ``values`` (one not there is dropped: it was
+    registered since)."""
+    for m in module.modules():
+        for name in list(m._buffers):
+            if (id(m), name) in values:
+                m._buffers[name] = values[(id(m), name)]
+            else:
+                del m._buffers[name]
+
+
+def _generators(module) -> list:
+    """(generator, state) of the ``torch.Generator``s the modules hold as attributes."""
+    return [(g, g.get_state()) for m in module.modules() for g in vars(m).values()
+            if isinstance(g, torch.Generator)]
