@@ -26,14 +26,18 @@ pseudo-random direction and its norm (float64). The check has two parts:
 2. *Rerun*, when the engine is next cleared (the private optimizer and
    :func:`dpcore_torch.step.private_grads` clear it once the step's sums are formed, before
    anything is released; the pass's graph and the step's kept tensors are freed by then,
-   so the rerun's graph is the only one held). The rows are split at random into two halves;
-   for each half, the pass runs again (same parameters, random state, buffers, generators
-   held by the modules, training modes and autocast; inputs as passed) with every row of the
-   other half given the input of one row of this half, and v is sent back again. In this
-   half's rows every layer's output, the model's outputs and u(v) must be unchanged (to 1e-5
-   of the row's norm on the CPU, whose kernels repeat a row exactly; two ulps of 16-bit
-   floats elsewhere). This sees what carries no gradient (detached statistics, inputs
-   normalised by the batch) and backward passes that scale rows by statistics of others.
+   so the rerun's graph is the only one held). The rows are split at random into two halves,
+   SPLITS times; for each half, the pass runs again (same parameters, random state, buffers,
+   generators held by the modules, training modes and autocast; inputs as passed) with
+   every row of the other half given the input of one row of this half. In this half's rows
+   every layer's input and output (what its per-example gradient reads: a layer whose weight
+   is zero shows mixing in its input only) and the model's outputs must be unchanged (to
+   1e-5 of the row's norm on the CPU, whose kernels repeat a row exactly; two ulps of 16-bit
+   floats elsewhere), and, in the first split, u(v). This sees what carries no gradient
+   (detached statistics, inputs normalised by the batch) and backward passes that scale
+   rows by statistics of others. One pair of rows mixed without gradient goes unseen when
+   the two rows fall in the same half in every split: for a given model and batch size (the
+   splits are fixed), 1 pair in 16; mixing of more rows, essentially never.
 
 Gradients are read by hooks on the layers' outputs, only their row statistics kept, so the
 check holds no more than a backward pass does. The engine's book-keeping ignores its
@@ -59,7 +63,9 @@ from .snapshot import Snapshot
 BACKWARD_TOLERANCE = 1e-6
 RERUN_TOLERANCE = 1e-5
 SCALINGS = 2  # scaled backward passes; factors 2^e, e uniform in -8..8
-_ROOT_SEEDS = 1 << 20  # the model's outputs' directions (a layer's: its index)
+SPLITS = 4  # random splits of the batch into halves for the rerun
+_ROOT_SEEDS = 1 << 20  # the model's outputs' directions (a layer's output's: its index)
+_INPUT_SEEDS = 1 << 21  # the layers' inputs' directions
 _active = False
 
 
@@ -145,18 +151,20 @@ def _deviating(got, want, tolerance: float):
 
 
 class _Pass:
-    """What the pass gave: its course (which units gave outputs of which shapes) and the row
-    statistics of the layers' outputs, the model's outputs and u(v) at the layers' outputs."""
+    """What a pass gave: its course (which units had inputs and outputs of which shapes) and
+    the row statistics of the layers' inputs and outputs and of the model's outputs."""
 
-    def __init__(self, roots, layers, grads):
-        self.course = _course(roots, layers)
+    def __init__(self, roots, layers, inputs):
+        self.course = _course(roots, layers, inputs)
+        self.inputs = [row_statistics(t, _INPUT_SEEDS + k) for k, (_, t) in enumerate(inputs)]
         self.layers = [row_statistics(t, k) for k, (_, t) in enumerate(layers)]
         self.roots = [row_statistics(t, _ROOT_SEEDS + k) for k, t in enumerate(roots)]
-        self.grads = grads
+        self.grads = None  # u(v) at the layers' outputs
 
 
-def _course(roots, layers):
-    return [(id(unit), t.shape) for unit, t in layers], [t.shape for t in roots]
+def _course(roots, layers, inputs):
+    return ([(id(unit), t.shape) for unit, t in layers], [t.shape for t in roots],
+            [(id(unit), t.shape, t.dtype) for unit, t in inputs])
 
 
 class Probe:
@@ -170,7 +178,7 @@ class Probe:
         self.units, self.leaves, self.names, self.recording = units, leaves, names, recording
         # waiting -> capturing -> waiting, pending (a rerun to make) or done; rerun within
         self.state = "waiting"
-        self._captured: list = []  # (unit, output) in call order
+        self._captured: list = []  # (unit, args, kwargs, output) in call order
         self._hooks: list = []
         self._counts: dict[int, int] = {}
         self._before: Snapshot | None = None
@@ -200,12 +208,13 @@ class Probe:
         self._counts = {id(unit): len(unit.calls) for unit in self.units}
         for unit in self.units:
             if unit.module is not root:
-                self._hooks.append(unit.module.register_forward_hook(self._capture(unit)))
+                self._hooks.append(unit.module.register_forward_hook(self._capture(unit),
+                                                                     with_kwargs=True))
 
     def _capture(self, unit):
         @torch.compiler.disable  # not traced into a compiled module's call
-        def capture(module, args, out):
-            self._captured.append((unit, out))
+        def capture(module, args, kwargs, out):
+            self._captured.append((unit, args, kwargs, out))
         return capture
 
     def _remove(self) -> None:
@@ -214,12 +223,16 @@ class Probe:
         self._hooks = []
 
     def _outputs(self, module, output, b: int):
-        """(the model's outputs, [(unit, a layer's output)]) with the b examples on axis 0."""
+        """The model's outputs, [(unit, a layer's output)] and [(unit, a layer's input)] (any
+        tensor, what its per-example gradient reads) with the b examples on axis 0."""
         captured, self._captured = self._captured, []
         root = next((unit for unit in self.units if unit.module is module), None)
         roots = _batch_tensors(output if root is None else _batch_outputs(root, output), b)
-        return roots, [(unit, t) for unit, out in captured
-                       for t in _batch_tensors(_batch_outputs(unit, out), b)]
+        layers = [(unit, t) for unit, _, _, out in captured
+                  for t in _batch_tensors(_batch_outputs(unit, out), b)]
+        inputs = [(unit, t) for unit, args, kwargs, _ in captured for t in _leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == b]
+        return roots, layers, inputs
 
     def finish(self, module, args, kwargs, output) -> None:
         """Root forward hook: check this pass if it can be, else wait for the next. In the
@@ -246,7 +259,7 @@ class Probe:
 
     # ------------------------------------------------------------------ part 1
     def _check_backward(self, module, output, b: int) -> None:
-        roots, layers = self._outputs(module, output, b)
+        roots, layers, inputs = self._outputs(module, output, b)
         if not roots:
             warnings.warn(
                 f"dpcore could not check that {type(module).__name__} keeps the examples of a "
@@ -277,7 +290,8 @@ class Probe:
                     f"model's outputs: rows {rows[:8]} of {b} receive gradient from other "
                     f"rows (by {deviation:.3g}, against {norm:.3g}); something after that "
                     f"layer moves gradient between examples")
-        self._first = _Pass(roots, layers, grads)
+        self._first = _Pass(roots, layers, inputs)
+        self._first.grads = grads
         self.state = "pending"
 
     def _backprops(self, roots, layers, *, retain: bool, scale=None) -> list:
@@ -316,26 +330,38 @@ class Probe:
         try:
             if before.parameters_changed(module):
                 return
-            b = self._batch
-            order = torch.randperm(b, generator=self._rng).tolist()
-            halves = [sorted(order[:(b + 1) // 2]), sorted(order[(b + 1) // 2:])]
-            inputs, found = zip(*[before.replaced(b, kept, kept[0]) for kept in halves])
+            for split in range(SPLITS):
+                if not self._rerun_split(module, before, first, split):
+                    return
+        finally:
+            self._cotangents = []
+
+    def _rerun_split(self, module, before: Snapshot, first: _Pass, split: int) -> bool:
+        """The reruns of one random split of the batch into halves (the gradients compared
+        in the first split only); whether there is something to replace."""
+        b = self._batch
+        order = torch.randperm(b, generator=self._rng).tolist()
+        halves = [sorted(order[:(b + 1) // 2]), sorted(order[(b + 1) // 2:])]
+        inputs, found = zip(*[before.replaced(b, kept, kept[0]) for kept in halves])
+        if split == 0:
             if not any(found):
                 warnings.warn(
                     f"dpcore could check only the gradients of {type(module).__name__} for "
                     f"mixing of the examples, not its forward pass: none of its inputs is a "
                     f"tensor or list with the batch's {b} examples on axis 0 (a time-major "
                     f"tensor, or an object dpcore cannot rebuild, say). Make sure nothing in "
-                    f"the model computes statistics of the batch", stacklevel=4)
-            elif all(i is None for i in inputs):  # the rows are all alike: the next pass
+                    f"the model computes statistics of the batch", stacklevel=5)
+                return False
+            if all(i is None for i in inputs):  # the rows are all alike: the next pass
                 self.state = "waiting"
-            for kept, replaced in zip(halves, inputs):
-                if replaced is not None:
-                    self._rerun(module, before, first, replaced, kept)
-        finally:
-            self._cotangents = []
+                return False
+        for kept, replaced in zip(halves, inputs):
+            if replaced is not None:
+                self._rerun(module, before, first, replaced, kept, gradients=split == 0)
+        return True
 
-    def _rerun(self, module, before: Snapshot, first: _Pass, inputs, kept) -> None:
+    def _rerun(self, module, before: Snapshot, first: _Pass, inputs, kept, *,
+               gradients: bool) -> None:
         """Run the pass again with ``inputs``; the rows ``kept`` must not change."""
         args, kwargs = inputs
         b = self._batch
@@ -348,11 +374,15 @@ class Probe:
                 finally:
                     self._remove()
                 output, self._rerun_output = self._rerun_output, None
-                roots, layers = self._outputs(module, output, b)
-                if first.course != _course(roots, layers):
+                roots, layers, inputs = self._outputs(module, output, b)
+                if first.course != _course(roots, layers, inputs):
                     raise self._error(
                         f"the forward pass took another course (other layer calls or shapes) "
                         f"when the examples other than {kept[:8]} of {b} were replaced")
+                self._compare(first.inputs, [row_statistics(t, _INPUT_SEEDS + k) for k, (_, t)
+                                             in enumerate(inputs)], [t for _, t in inputs],
+                              [unit for unit, _ in inputs], kept, "the input of",
+                              " (the first layer input to change)")
                 tensors, units = [t for _, t in layers], [unit for unit, _ in layers]
                 self._compare(first.layers, [row_statistics(t, k) for k, t
                                              in enumerate(tensors)], tensors, units, kept,
@@ -360,6 +390,8 @@ class Probe:
                 self._compare(first.roots, [row_statistics(t, _ROOT_SEEDS + k) for k, t
                                             in enumerate(roots)], roots, None, kept,
                               "the model's output")
+                if not gradients:
+                    return
                 grads = self._backprops(roots, layers, retain=False)
                 self._compare(first.grads, grads, tensors, units, kept,
                               "the gradient reaching the output of", " (the last to change)",

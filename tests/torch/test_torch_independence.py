@@ -54,6 +54,8 @@ class Model(nn.Module):
         self.first, self.second, self.extra = nn.Linear(5, 8), nn.Linear(8, 3), nn.Linear(8, 8)
         self.own = Own() if form == "hook in a fallback module" else nn.Identity()
         self.table = nn.Linear(5, 8) if form == "layer on shared rows" else None
+        if form == "batch mean into a zeroed layer":  # a zero-initialised head (LoRA's B)
+            nn.init.zeros_(self.second.weight)
 
     def forward(self, x):
         if self.form == "inputs normalised by the batch":
@@ -80,7 +82,7 @@ class Model(nn.Module):
             h = h - h[:1]
         elif self.form == "detached reference row":
             h = h - h[:1].detach()
-        elif self.form == "batch mean":
+        elif self.form in ("batch mean", "batch mean into a zeroed layer"):
             h = h - h.mean(0)
         elif self.form == "straight-through batch mean":  # the values unchanged
             m = h.mean(0, keepdim=True)
@@ -105,7 +107,9 @@ MIXING = {"batch mean": "first", "straight-through batch mean": "first",
           "hook in a fallback module": "first", "batch mean of the output": "second"}
 #: found by running the pass again, with the other examples replaced, at the step
 RERUN = {"detached batch mean": "second", "inputs normalised by the batch": "first",
-         "gradient scaled by a batch statistic": "first", "a course set by the batch": None}
+         "gradient scaled by a batch statistic": "first", "a course set by the batch": None,
+         # the zero weight hides it from the outputs and gradients: the layer's input shows it
+         "batch mean into a zeroed layer": "second"}
 
 
 def first_step(model, engine, x):
