@@ -191,7 +191,7 @@ class Probe:
     # ------------------------------------------------------------------ capture
     def start(self, module, args, kwargs) -> None:
         """Root forward pre-hook: keep the pass's inputs and state, capture every unit call's
-        outputs."""
+        inputs and outputs."""
         if self.state == "capturing":  # a pass that raised (or a nested call): start again
             self._remove()
             self.state = "waiting"
@@ -203,7 +203,7 @@ class Probe:
         self.state = "capturing"
 
     def _capture_calls(self, root) -> None:
-        """Capture the outputs of every unit's calls but the model's own (its outputs)."""
+        """Capture the inputs and outputs of every unit's calls but the model's own."""
         self._captured = []
         self._counts = {id(unit): len(unit.calls) for unit in self.units}
         for unit in self.units:
