@@ -101,8 +101,8 @@ class Snapshot:
             changed = changed or not torch.equal(new, t)
             return new.requires_grad_(t.requires_grad)
 
-        args, kwargs = self.inputs
-        inputs = _rebuilt(list(args), replace, b), _rebuilt(kwargs, replace, b)
+        args, kwargs = self.inputs  # args a tuple: never taken for a list of rows itself
+        inputs = _rebuilt(args, replace, b), _rebuilt(kwargs, replace, b)
         return (inputs if changed else None), found
 
     @contextlib.contextmanager

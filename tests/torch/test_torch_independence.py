@@ -112,9 +112,9 @@ RERUN = {"detached batch mean": "second", "inputs normalised by the batch": "fir
          "batch mean into a zeroed layer": "second"}
 
 
-def first_step(model, engine, x):
+def first_step(model, engine, *inputs):
     """Forward, backward, the norms and the engine's clear (where the rerun is made)."""
-    model(x).square().sum().backward()
+    model(*inputs).square().sum().backward()
     engine.sq_norms(list(engine.params))
     engine.clear()
 
@@ -493,3 +493,22 @@ def test_a_batch_whose_rows_are_all_alike_leaves_the_rerun_to_the_next_pass():
     first_step(model, engine, torch.ones(6, 5))
     with pytest.raises(NotPerExampleError, match="Linear 'second'"):
         first_step(model, engine, torch.randn(6, 5))
+
+
+class Scaled(nn.Module):
+    """Per example, called with two positional arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(5, 3)
+
+    def forward(self, x, scale):
+        return self.layer(x) * scale[:, None]
+
+
+def test_positional_arguments_as_many_as_the_examples_are_not_taken_for_rows():
+    """With B = 2 and two arguments, the argument list is not a list of two examples."""
+    torch.manual_seed(0)
+    model = Scaled()
+    engine = PerExampleEngine(model)
+    first_step(model, engine, torch.randn(2, 5), torch.tensor([1.0, 2.0]))
