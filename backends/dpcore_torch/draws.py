@@ -298,10 +298,9 @@ def alias(t, copy) -> None:
         rows.alias(t, copy)
 
 
-def _observed_opaque(inputs, out, batch_outputs=None) -> None:
-    """A layer's call, its operations unobserved, as a whole: its outputs (``batch_outputs``
-    of them where given) are rowwise where an input is
-    (:meth:`dpcore_torch.rows.Rows.observe_opaque`)."""
+def _observed_opaque(inputs, out, batch_outputs) -> None:
+    """A layer's call, its operations unobserved, as a whole: its ``batch_outputs`` are
+    rowwise where an input is (:meth:`dpcore_torch.rows.Rows.observe_opaque`)."""
     recorder = _recorder()
     if recorder is not None and not recorder.suspended:
         for call in recorder.active:
@@ -322,7 +321,7 @@ def leave_opaque(module, args, kwargs, out) -> None:
     recorder = _recorder()
     if recorder is not None and recorder.suspended:
         recorder.suspended -= 1
-        _observed_opaque([*args, *kwargs.values()], out)
+        _observed_opaque([*args, *kwargs.values()], out, out)  # all have the examples first
 
 
 def opaque(run, args, kwargs, batch_outputs):

@@ -114,13 +114,17 @@ class _RuleUnit:
                 args, kwargs = (kwargs["input"],), {k: v for k, v in kwargs.items()
                                                     if k != "input"}
             return opaque(lambda: rule.forward(module, self.calls, args, kwargs), args, kwargs,
-                          lambda out: rule.batch_outputs(module, out))
+                          self.batch_outputs)
 
         module.forward = forward
         instrumentation(module).added.add("forward")
 
     def remove(self) -> None:
         del self.module.forward
+
+    def batch_outputs(self, out):
+        """The outputs of a call with the examples on axis 0 (the rule's)."""
+        return self.rule.batch_outputs(self.module, out)
 
     def grads(self, call):
         return {k: self.rule.cached_grad(self.module, call, k) for k in self.names}

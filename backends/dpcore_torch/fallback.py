@@ -312,6 +312,11 @@ class FallbackUnit:
                 call.reached_at = tick()
         return keep
 
+    @staticmethod
+    def batch_outputs(out):
+        """The outputs of a call with the examples on axis 0: all (the replay checks them)."""
+        return out
+
     def grads(self, call: Call) -> dict[str, torch.Tensor]:
         """{key: (B, *shape)} per-example gradients of this call (cached)."""
         if call.cache is not None:

@@ -106,13 +106,6 @@ def _batch_tensors(out, b: int) -> list[torch.Tensor]:
             and t.dim() > 0 and t.shape[0] == b]
 
 
-def _batch_outputs(unit, out):
-    """The outputs of a unit's call with the examples on axis 0 (a recurrent layer's hidden
-    states have them on axis 1)."""
-    rule = getattr(unit, "rule", None)
-    return out if rule is None else rule.batch_outputs(unit.module, out)
-
-
 def _has_reentrant_checkpoint(roots) -> bool:
     """Whether the graph holds a reentrant ``torch.utils.checkpoint`` (which refuses
     ``torch.autograd.grad``)."""
@@ -152,19 +145,16 @@ def _deviating(got, want, tolerance: float):
 
 class _Pass:
     """What a pass gave: its course (which units had inputs and outputs of which shapes) and
-    the row statistics of the layers' inputs and outputs and of the model's outputs."""
+    the row statistics of the layers' inputs and outputs and of the model's outputs (not the
+    tensors, which the first pass must not keep alive until the rerun)."""
 
     def __init__(self, roots, layers, inputs):
-        self.course = _course(roots, layers, inputs)
+        self.course = ([(id(unit), t.shape) for unit, t in layers], [t.shape for t in roots],
+                       [(id(unit), t.shape, t.dtype) for unit, t in inputs])
         self.inputs = [row_statistics(t, _INPUT_SEEDS + k) for k, (_, t) in enumerate(inputs)]
         self.layers = [row_statistics(t, k) for k, (_, t) in enumerate(layers)]
         self.roots = [row_statistics(t, _ROOT_SEEDS + k) for k, t in enumerate(roots)]
         self.grads = None  # u(v) at the layers' outputs
-
-
-def _course(roots, layers, inputs):
-    return ([(id(unit), t.shape) for unit, t in layers], [t.shape for t in roots],
-            [(id(unit), t.shape, t.dtype) for unit, t in inputs])
 
 
 class Probe:
@@ -227,9 +217,9 @@ class Probe:
         tensor, what its per-example gradient reads) with the b examples on axis 0."""
         captured, self._captured = self._captured, []
         root = next((unit for unit in self.units if unit.module is module), None)
-        roots = _batch_tensors(output if root is None else _batch_outputs(root, output), b)
+        roots = _batch_tensors(output if root is None else root.batch_outputs(output), b)
         layers = [(unit, t) for unit, _, _, out in captured
-                  for t in _batch_tensors(_batch_outputs(unit, out), b)]
+                  for t in _batch_tensors(unit.batch_outputs(out), b)]
         inputs = [(unit, t) for unit, args, kwargs, _ in captured for t in _leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == b]
         return roots, layers, inputs
@@ -360,10 +350,11 @@ class Probe:
                 self._rerun(module, before, first, replaced, kept, gradients=split == 0)
         return True
 
-    def _rerun(self, module, before: Snapshot, first: _Pass, inputs, kept, *,
+    def _rerun(self, module, before: Snapshot, first: _Pass, replaced, kept, *,
                gradients: bool) -> None:
-        """Run the pass again with ``inputs``; the rows ``kept`` must not change."""
-        args, kwargs = inputs
+        """Run the pass again with the ``replaced`` (args, kwargs); the rows ``kept`` must
+        not change."""
+        args, kwargs = replaced
         b = self._batch
         self.state = "rerun"
         self._capture_calls(module)
@@ -375,27 +366,21 @@ class Probe:
                     self._remove()
                 output, self._rerun_output = self._rerun_output, None
                 roots, layers, inputs = self._outputs(module, output, b)
-                if first.course != _course(roots, layers, inputs):
+                again = _Pass(roots, layers, inputs)
+                if first.course != again.course:
                     raise self._error(
                         f"the forward pass took another course (other layer calls or shapes) "
                         f"when the examples other than {kept[:8]} of {b} were replaced")
-                self._compare(first.inputs, [row_statistics(t, _INPUT_SEEDS + k) for k, (_, t)
-                                             in enumerate(inputs)], [t for _, t in inputs],
-                              [unit for unit, _ in inputs], kept, "the input of",
+                self._compare(first.inputs, again.inputs, inputs, kept, "the input of",
                               " (the first layer input to change)")
-                tensors, units = [t for _, t in layers], [unit for unit, _ in layers]
-                self._compare(first.layers, [row_statistics(t, k) for k, t
-                                             in enumerate(tensors)], tensors, units, kept,
-                              "the output of", " (the first layer output to change)")
-                self._compare(first.roots, [row_statistics(t, _ROOT_SEEDS + k) for k, t
-                                            in enumerate(roots)], roots, None, kept,
+                self._compare(first.layers, again.layers, layers, kept, "the output of",
+                              " (the first layer output to change)")
+                self._compare(first.roots, again.roots, [(None, t) for t in roots], kept,
                               "the model's output")
-                if not gradients:
-                    return
-                grads = self._backprops(roots, layers, retain=False)
-                self._compare(first.grads, grads, tensors, units, kept,
-                              "the gradient reaching the output of", " (the last to change)",
-                              last=True)
+                if gradients:
+                    self._compare(first.grads, self._backprops(roots, layers, retain=False),
+                                  layers, kept, "the gradient reaching the output of",
+                                  " (the last to change)", last=True)
         finally:
             self.state = "done"
             for unit in self.units:  # the rerun's calls: not part of any step
@@ -403,20 +388,20 @@ class Probe:
                 for call in new:
                     call.release()
 
-    def _compare(self, first, second, tensors, units, kept, what: str, which: str = "", *,
+    def _compare(self, first, second, entries, kept, what: str, which: str = "", *,
                  last: bool = False) -> None:
-        """Raise if the statistics ``second`` (of ``tensors``, outputs of ``units`` or of the
-        model) differ from ``first``'s in rows ``kept``, naming the first that does (the
-        ``last``)."""
+        """Raise if the statistics ``second`` of the rerun's ``entries`` ((unit, tensor); unit
+        None for the model's outputs) differ from ``first``'s in rows ``kept``, naming the
+        first that does (the ``last``)."""
         changed = None
-        for k, (want, got, t) in enumerate(zip(first, second, tensors)):
+        for want, got, (unit, t) in zip(first, second, entries):
             if want is None or got is None:
                 continue
             tolerance = RERUN_TOLERANCE if t.device.type == "cpu" else max(
                 RERUN_TOLERANCE, 2 * torch.finfo(t.dtype).eps)
             found = _deviating(got[kept], want[kept], tolerance)
             if found is not None:
-                changed = (None if units is None else units[k]), found
+                changed = unit, found
                 if not last:
                     break
         if changed is not None:

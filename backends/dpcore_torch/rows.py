@@ -247,17 +247,18 @@ class Rows:
         if self.lost is None and self.batch > 1 and self._unknown(outputs):
             self.lost = "an output made where dpcore did not look"
 
-    def observe_opaque(self, inputs, out, batch_outputs=None) -> None:
-        """A rule layer's call on ``inputs``: its outputs are rowwise where an input is
-        (a rule keeps each example in its row; ``batch_outputs``, where given, are the
-        outputs with the examples on axis 0, the others unknown), shared where all are."""
+    def observe_opaque(self, inputs, out, batch_outputs) -> None:
+        """A rule layer's call on ``inputs``: its ``batch_outputs`` (those of ``out`` with
+        the examples on axis 0; the others stay unknown) are rowwise where an input is (a
+        rule keeps each example in its row); all its outputs are shared where all inputs
+        are."""
         if self.lost is not None or self.batch <= 1:
             return
         tensors = _tensors(list(inputs))
         if self._unknown(tensors):
             self.lost = "a layer called on a tensor made where dpcore did not look"
         elif any(self.rowwise(t) for t in tensors):
-            for t in _tensors(out if batch_outputs is None else batch_outputs):
+            for t in _tensors(batch_outputs):
                 self.mark(t)
         else:
             for t in _tensors(out):
