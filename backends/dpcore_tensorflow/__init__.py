@@ -17,7 +17,7 @@ _HOME = {
     "ClippedGradients": "bookkeeping", "FallbackWarning": "bookkeeping",
     "poisson_dataset": "data",
     "PrivateModel": "keras_model", "build_mechanism": "keras_model", "make_private": "keras_model",
-    "CrossExampleLayerError": "layer_taps",
+    "CrossExampleLayerError": "layer_taps", "NotPerExampleError": "independence",
     "PrivateGradients": "step", "per_example_loss": "step",
 }
 

@@ -17,7 +17,7 @@ tests compare the ghost path with).
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import keras
 import tensorflow as tf
@@ -116,6 +116,18 @@ def _fed_by(inputs) -> set[str]:
     return fed
 
 
+class Pass(NamedTuple):
+    """What one forward and backward pass gave: gradient objects by leaf path, the
+    per-example losses (B,), the model's outputs, the padding mask (B,), and every tapped
+    call's saved input and output z, as (layer name, saved, z)."""
+
+    objects: dict
+    losses: tf.Tensor
+    outputs: object
+    mask: tf.Tensor
+    calls: list
+
+
 class ClippedGradients:
     """Clip factors and clipped sums of ``model``'s per-example gradients (see module doc).
 
@@ -153,18 +165,19 @@ class ClippedGradients:
                              f"{tuple(losses.shape)}; reduce every axis but the first")
         return losses, outputs
 
-    def _grad_objects(self, x, y, loss_fn: Callable, mask: tf.Tensor):
-        """Forward pass under the taps and one backward pass: ({path: gradient object},
-        losses (B,), model outputs). Per-example gradients the taps cannot form (variables
-        of untapped layers, of layers the batch does not feed, and uses of a tapped
-        variable outside its layer's call) take the vectorized Jacobian of (m_i l_i)_i."""
+    def _grad_objects(self, x, y, loss_fn: Callable, mask: tf.Tensor, scale) -> Pass:
+        """Forward pass under the taps and one backward pass of L = sum_i m_i s_i l_i (s =
+        ``scale``, or 1). Per-example gradients the taps cannot form (variables of untapped
+        layers, of layers the batch does not feed, and uses of a tapped variable outside its
+        layer's call) take the vectorized Jacobian of (m_i s_i l_i)_i."""
         # persistent: the fallback's Jacobian needs the tape after the taps' gradient (in a
         # graph this keeps nothing more alive)
         with tf.GradientTape(persistent=True) as tape:
             recorder = layer_taps.Recorder(tape)
             with layer_taps.tapped(self.plan, recorder):
                 losses, outputs = self._forward(x, y, loss_fn)
-            masked = tf.where(mask, losses, tf.zeros_like(losses))
+            weighted = losses if scale is None else losses * tf.cast(scale, losses.dtype)
+            masked = tf.where(mask, weighted, tf.zeros_like(losses))
             total = tf.reduce_sum(masked)
         unfed = _unfed(self.plan, recorder, x, losses)
         taps = [(key, z) for key, saves in recorder.saved.items() if key not in unfed
@@ -215,7 +228,9 @@ class ClippedGradients:
         for v in self.variables:  # tapped layers the forward pass did not reach
             if v.path not in objects:
                 objects[v.path] = lg.Materialised(tf.zeros((batch, *v.shape), v.dtype), v.shape)
-        return objects, losses, outputs
+        calls = [(self.plan[key][0].name, saved, z) for key, saves in recorder.saved.items()
+                 for saved, z in saves]
+        return Pass(objects, losses, outputs, mask, calls)
 
     def _vectorized_objects(self, x, y, loss_fn: Callable, mask: tf.Tensor):
         """Every variable's per-example gradients by the model on one example at a time."""
@@ -228,20 +243,23 @@ class ClippedGradients:
 
         grads = tf.vectorized_map(one, (x, y))
         losses, outputs = self._forward(x, y, loss_fn)
-        return ({v.path: lg.Materialised(g, v.shape) for v, g in zip(self.variables, grads)},
-                losses, outputs)
+        return Pass({v.path: lg.Materialised(g, v.shape) for v, g in zip(self.variables, grads)},
+                    losses, outputs, mask, [])
 
-    def _objects(self, x, y, loss_fn, mask):
+    def examples_pass(self, x, y, loss_fn: Callable, mask=None, scale=None) -> Pass:
+        """One pass over the batch: per-example gradient objects of ``loss_fn(y, model(x))
+        -> (B,)`` (each example's loss scaled by ``scale`` (B,) if given; the vectorized mode
+        takes none), losses, outputs and the tapped calls."""
         mask = (tf.ones([tf.shape(tf.nest.flatten(x)[0])[0]], tf.bool) if mask is None
                 else tf.cast(mask, tf.bool))
         if self.mode == "vectorized":
-            return (*self._vectorized_objects(x, y, loss_fn, mask), mask)
-        return (*self._grad_objects(x, y, loss_fn, mask), mask)
+            return self._vectorized_objects(x, y, loss_fn, mask)
+        return self._grad_objects(x, y, loss_fn, mask, scale)
 
     def per_example_grads(self, x, y, loss_fn: Callable, mask=None) -> dict:
         """{path: (B, *shape)}: per-example gradients of ``loss_fn(y, model(x)) -> (B,)``
         for tests and inspection (the DP step never forms them all)."""
-        objects, _, _, _ = self._objects(x, y, loss_fn, mask)
+        objects = self.examples_pass(x, y, loss_fn, mask).objects
         return {name: objects[name].per_example() for name in self.names}
 
     def clipped_sums(self, x, y, loss_fn: Callable, clipper: GroupClipper, clips: tf.Tensor,
@@ -249,7 +267,7 @@ class ClippedGradients:
         """``(sums {path: tensor}, nonfinite (B,), losses (B,), outputs)``: sum_i c_i grad_i
         with c the clip factors of ``clipper`` for clips S_g (0 for masked-out and
         non-finite rows)."""
-        objects, losses, outputs, mask = self._objects(x, y, loss_fn, mask)
+        objects, losses, outputs, mask, _ = self.examples_pass(x, y, loss_fn, mask)
         sq_norms = tf.stack([objects[leaf].sq_norms() for leaf in clipper.leaves], axis=1)
         factors, bad = clipper.factors(sq_norms, clips, mask)
         weights = clipper.leaf_factors(factors)

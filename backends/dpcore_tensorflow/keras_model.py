@@ -35,8 +35,9 @@ CLIPPINGS = ("flat", "per_layer")
 class _State:
     """Untracked by Keras: the aggregator, the DP step and the per-step clip/noise inputs."""
 
-    def __init__(self, aggregator: PrivateAggregator, mode: str):
+    def __init__(self, aggregator: PrivateAggregator, mode: str, check_independence: bool):
         self.aggregator, self.mode = aggregator, mode
+        self.check_independence = check_independence
         self.dp: PrivateGradients | None = None
         self.clips: tf.Variable | None = None
         self.stds: tf.Variable | None = None
@@ -46,13 +47,15 @@ class _State:
 class PrivateModel(keras.Model):
     """``model`` trained with the Gaussian sum queries of ``aggregator`` (tensorflow backend,
     mechanism leaves = the model's variable paths). ``mode`` picks the per-example norms
-    (``"auto"``: ghost or materialised per layer by cost; ``"vectorized"``)."""
+    (``"auto"``: ghost or materialised per layer by cost; ``"vectorized"``);
+    ``check_independence`` checks on the first batch that the model keeps its examples apart
+    (:mod:`.independence`)."""
 
     def __init__(self, model: keras.Model, aggregator: PrivateAggregator, *,
-                 mode: str = "auto", **kwargs):
+                 mode: str = "auto", check_independence: bool = True, **kwargs):
         super().__init__(name=kwargs.pop("name", f"private_{model.name}"), **kwargs)
         self.model = model
-        self._dp_state = _State(aggregator, mode)
+        self._dp_state = _State(aggregator, mode, check_independence)
 
     @property
     def aggregator(self) -> PrivateAggregator:
@@ -74,7 +77,8 @@ class PrivateModel(keras.Model):
     def _build_dp(self) -> PrivateGradients:
         state = self._dp_state
         if state.dp is None:
-            state.dp = PrivateGradients(self.model, self.loss, state.aggregator, mode=state.mode)
+            state.dp = PrivateGradients(self.model, self.loss, state.aggregator, mode=state.mode,
+                                        check_independence=state.check_independence)
             groups, leaves = len(state.dp.clipper.structure), len(state.dp.clipper.leaves)
             state.clips = tf.Variable(tf.zeros([groups], tf.float64), trainable=False)
             state.stds = tf.Variable(tf.zeros([leaves], tf.float64), trainable=False)
@@ -111,6 +115,8 @@ class PrivateModel(keras.Model):
         compiled = self.train_function
 
         def train_function(iterator):
+            if dp.independence is not None and not dp.independence.done:
+                iterator = _checked(dp, iterator)
             inputs = dp.record_step()  # ledger first
             if inputs != state.assigned:  # clips or noise moved (or first step)
                 state.clips.assign(inputs[0])
@@ -154,6 +160,25 @@ class PrivateModel(keras.Model):
                            **kwargs)
 
 
+def _checked(dp: PrivateGradients, iterator):
+    """Check the next batch of ``iterator`` for mixing of the examples (:meth:`PrivateGradients.
+    check`); an iterator over that one batch, of the same element type (the compiled step
+    is not traced again)."""
+    if isinstance(iterator, tf.data.Iterator):
+        optional = iterator.get_next_as_optional()
+        if not optional.has_value():
+            raise StopIteration
+        data = optional.get_value()
+        iterator = iter(tf.data.Dataset.from_generator(
+            lambda: iter([data]), output_signature=iterator.element_spec))
+    else:
+        data = next(iter(iterator))
+        iterator = iter([data])
+    x, y, mask = keras.utils.unpack_x_y_sample_weight(data)
+    dp.check(x, y, mask)
+    return iterator
+
+
 def build_mechanism(model: keras.Model, clipping, max_grad_norm: float,
                     noise_multiplier: float) -> Mechanism:
     """``"flat"`` (one group, clip S), ``"per_layer"`` (one group per variable, S_g = S /
@@ -174,11 +199,13 @@ def make_private(model: keras.Model, *, n: int, batch_size: float | None = None,
                  q: float | None = None, max_grad_norm: float = 1.0,
                  noise_multiplier: float = 1.0, clipping="flat", ledger=None, seed=None,
                  mode: str = "auto", on_nonfinite: str = "raise",
-                 clip_schedule=None) -> PrivateModel:
+                 clip_schedule=None, check_independence: bool = True) -> PrivateModel:
     """A :class:`PrivateModel` around a built ``model``, for ``n`` records sampled at rate
     ``q`` (or ``batch_size / n``: the expected batch size). ``ledger`` is a path or a
     :class:`dpcore.Ledger`; ``seed`` fixes sampling and noise (tests only); ``clip_schedule``
-    is a dpcore clip schedule."""
+    is a dpcore clip schedule. ``check_independence`` (default) checks on the first batch that
+    the model keeps its examples apart, and raises
+    :class:`~dpcore_tensorflow.independence.NotPerExampleError` if it does not."""
     if (q is None) == (batch_size is None):
         raise ValueError("give exactly one of q (sampling rate) and batch_size (expected "
                          f"batch size, q = batch_size / n); got q={q!r}, batch_size={batch_size!r}")
@@ -189,4 +216,4 @@ def make_private(model: keras.Model, *, n: int, batch_size: float | None = None,
     mechanism = build_mechanism(model, clipping, max_grad_norm, noise_multiplier)
     aggregator = PrivateAggregator(mechanism, n=n, q=q, backend="tensorflow", ledger=ledger,
                                    seed=seed, on_nonfinite=on_nonfinite, clipping=clip_schedule)
-    return PrivateModel(model, aggregator, mode=mode)
+    return PrivateModel(model, aggregator, mode=mode, check_independence=check_independence)

@@ -24,6 +24,7 @@ import tensorflow as tf
 from dpcore.aggregation import NonFiniteNormError
 
 from .bookkeeping import ClippedGradients
+from .independence import IndependenceCheck
 from .kernels import GroupClipper, clips_of, leaf_stds_of, noisy_mean, structure
 
 
@@ -71,13 +72,19 @@ class PrivateGradients:
         optimizer.apply(grads, model.trainable_variables)
 
     ``mode`` chooses the norms (:class:`~.bookkeeping.ClippedGradients`); ``jit_compile`` runs
-    the step under XLA.
+    the step under XLA. ``check_independence`` (default) checks on the first batch that the
+    model keeps its examples apart (:mod:`.independence`), raising
+    :class:`~.independence.NotPerExampleError` before anything is recorded if it does not.
     """
 
     def __init__(self, model: keras.Model, loss, aggregator, *, mode: str = "auto",
-                 jit_compile: bool = False):
+                 jit_compile: bool = False, check_independence: bool = True):
         self.engine = ClippedGradients(model, mode)
         self.loss_fn = per_example_loss(loss)
+        # the vectorized mode differentiates each example alone: per example by construction
+        self.independence = (IndependenceCheck(self.engine, self.loss_fn)
+                             if check_independence and mode != "vectorized" else None)
+        self._checked = False  # check() ran for the step about to be recorded
         self.aggregator = aggregator
         if not isinstance(aggregator.rng, tf.random.Generator):
             raise TypeError(f"the aggregator's generator is {type(aggregator.rng).__name__}; "
@@ -89,10 +96,26 @@ class PrivateGradients:
         self._mechanism = None  # the mechanism of the last recorded step, and what follows
         self._tensors = (None, None)  # from it: (clips, stds) as given and as tensors
 
+    def check(self, x, y, mask=None) -> None:
+        """Eagerly, on the batch of the step about to run: until the model has been found to
+        keep its examples apart (on a batch of two real records or more), check it, raising
+        :class:`~.independence.NotPerExampleError` if it mixes them. A loop that runs
+        :meth:`graph_step` in its own ``tf.function`` calls this before :meth:`record_step`."""
+        if self.independence is not None:
+            self.independence(x, y, mask)
+        self._checked = True
+
     def record_step(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Host side, before the step runs: the sampling event and the step's sum-query events
         go to the ledger; returns the step's clips S_g and leaf noise stds alpha_j sigma~_g
         (inputs of :meth:`graph_step`)."""
+        if self.independence is not None and not (self.independence.done or self._checked):
+            raise RuntimeError(
+                "the model has not yet been checked for mixing of the examples: call "
+                "check(x, y, mask) on the step's batch before record_step() (until a batch "
+                "of two real records or more has been checked), or build PrivateGradients "
+                "with check_independence=False")
+        self._checked = False
         agg = self.aggregator
         if agg.count_groups:
             raise NotImplementedError(
@@ -134,6 +157,7 @@ class PrivateGradients:
                 "compiled), or call record_step() eagerly and graph_step() in your function")
         if mask is None:
             mask = tf.ones([tf.shape(tf.nest.flatten(x)[0])[0]], tf.bool)
+        self.check(x, y, mask)
         inputs = self.record_step()
         if inputs != self._tensors[0]:
             self._tensors = (inputs, tuple(tf.constant(v, tf.float64) for v in inputs))

@@ -122,8 +122,7 @@ def test_ghost_norms_equal_materialised_norms(case):
     norms = {}
     for mode in ("auto", "ghost", "materialise"):
         engine = ClippedGradients(model, mode)
-        objects, *_ = engine._grad_objects(tf.constant(x), tf.constant(y), loss_fn,
-                                           tf.ones([B], tf.bool))
+        objects = engine.examples_pass(tf.constant(x), tf.constant(y), loss_fn).objects
         norms[mode] = {k: o.sq_norms().numpy() for k, o in objects.items()}
     for mode in ("auto", "ghost"):
         for name in norms[mode]:
@@ -273,7 +272,7 @@ def test_grouped_conv_grads_and_clipped_sums_match_oracle():
     model = _float32_convs()
     expected = oracle(model, x, y, mse)
     engine = ClippedGradients(model, "materialise")
-    objects, *_ = engine._grad_objects(tf.constant(x), tf.constant(y), mse, tf.ones([B], bool))
+    objects = engine.examples_pass(tf.constant(x), tf.constant(y), mse).objects
     kernels = [v.path for v in model.trainable_variables if "conv" in v.path and "kernel" in v.path]
     assert len(kernels) == 5 and all(isinstance(objects[k], lg.ConvKernel) for k in kernels)
     for name, rows in expected.items():
