@@ -9,31 +9,38 @@ without ``stop_gradient``), inputs normalised by the batch, a reference row, a r
 pairing of the batch, a custom gradient that moves rows, a straight-through term, a loss
 that normalises over the batch. Otherwise each "per-example" gradient carries other records'
 data and clipping bounds nothing. Only a training BatchNormalization is refused by its type
-(:func:`.layer_taps.check_per_example`); this check sees the rest, on the first batch with
-two real records or more, by running the step's own pass (compiled as the step is, without
-noise) on altered batches:
+(:func:`.layer_taps.check_per_example`); this check sees the rest, on the first BATCHES
+batches with two real records or more (the second with the weights the first step moved:
+mixing behind a zero-initialised head does nothing at first), by running the step's own
+pass (compiled as the step is, without noise) on altered batches:
 
 1. *Repeat*: the unchanged batch again must give the same results, or the model draws
-   random numbers the check cannot replay (TensorFlow's global random ops; Keras's seed
-   generators and every non-trainable variable are restored before each run).
+   random numbers the check cannot replay (TensorFlow's global random ops). Every variable
+   the pass may change (Keras seed generators, non-trainable variables, metrics and
+   tf.Variables held by layers, tf.random.Generator states) is restored before each run.
 2. *Scaled losses*: with L = sum_i s_i m_i l_i, s_i random powers of two (exact in floating
    point), every example's squared gradient norm must scale by s_i^2, and the weighted
    sums sum_i (w_i / s_i) grad_i must not change (to 1e-6): example i's gradient reads its
    own loss only. Mixing of one pair of rows passes a scaling only if their factors agree:
    1 in 17 for each of the two scalings.
 3. *Rerun*: the rows are split at random into halves, SPLITS times; for each half the pass
-   runs again with every row of the other half (inputs, targets, mask) replaced by one row
-   of this half. In this half's rows the losses, the model's outputs, every tapped layer's
-   input and output (a layer whose weight is zero shows mixing in its input only), the
-   squared gradient norms and a weighted sum of the gradients with random weights on this
-   half must not change (to 1e-5 of their norms). One pair of rows mixed without gradient
-   stays unseen if both rows fall in the same half in every split: 1 pair in 16 (the
-   splits are fixed for a batch size).
+   runs again with every row of the other half replaced by one row of this half (targets
+   and mask copied, floating inputs multiplied by FACTORS: a copy changes no statistic that
+   every row shares, such as a maximum each image reaches). In this half's rows the losses,
+   the model's outputs, every tapped layer's input and output (a layer whose weight is zero
+   shows mixing in its input only), the squared gradient norms and a weighted sum of the
+   gradients with random weights on this half must not change (to 1e-5 of their norms),
+   nor the values the pass leaves in variables (a running mean of the batch would carry its
+   records into later steps). One pair of rows mixed without gradient stays unseen if both
+   rows fall in the same half in every split: 1 pair in 16 (the splits are fixed for a
+   batch size).
 
 Rows are compared through statistics in float64: each row's projection on a fixed
-pseudo-random direction, and its norm. What the runs change (seed generators, non-trainable
-variables) is restored afterwards, so training is the same with the check and without it.
-Not seen: mixing that only later batches trigger.
+pseudo-random direction, and its norm; rows whose norm is below FLOOR of the batch's largest
+(gradients that underflow) are compared against that. Under float16 the tolerances are its
+precision (its narrow range makes scaled gradients underflow). Training is the same with
+the check and without it. Not seen: mixing below the tolerances (``h + 1e-7 * sum(h)``),
+and mixing that only later batches or weights trigger.
 """
 
 from __future__ import annotations
@@ -46,8 +53,11 @@ from .layer_taps import CrossExampleLayerError
 
 SCALE_TOLERANCE = 1e-6
 RERUN_TOLERANCE = 1e-5
+FLOOR = 1e-6  # rows with norms below this fraction of the batch's largest are compared to it
 SCALINGS = 2  # scaled-loss runs; factors 2^e, e uniform in -8..8
 SPLITS = 4  # random splits of the batch into halves for the reruns
+FACTORS = (1.0, 2.0, -1.0, 0.5)  # per split: the replaced rows' floating inputs, source times
+BATCHES = 2  # checked batches: the first, and the next with the weights the first step moved
 _REPEAT = "two runs on the same batch differ"
 
 
@@ -91,13 +101,24 @@ def _deviating(got: np.ndarray, want: np.ndarray, tolerance: float, norms: np.nd
 
 class IndependenceCheck:
     """The check of the module doc for ``engine`` (a :class:`ClippedGradients`) and the
-    per-example loss ``loss_fn``; ``done`` once it has run."""
+    per-example loss ``loss_fn``; ``done`` once BATCHES batches are checked."""
 
     def __init__(self, engine: ClippedGradients, loss_fn):
         self.engine, self.loss_fn = engine, loss_fn
-        self.done = False
+        self.checked = 0  # batches checked
         self._what: list[str] = []  # what each row statistic describes (set when traced)
-        self._statistics = tf.function(self._run, autograph=False)  # as Keras traces steps
+        # traced as Keras traces a train step (no autograph, faster), or converted by
+        # autograph, as PrivateGradients's step is, if the model or loss needs it
+        self._statistics = tf.function(self._run, autograph=False)
+        # float16's narrow range: values scaled by 2^-8 may fall below it (bfloat16 has
+        # float32's); compare to its precision
+        layers = engine.model._flatten_layers(include_self=True, recursive=True)
+        self._floor = (float(np.finfo(np.float16).eps)
+                       if any(layer.compute_dtype == "float16" for layer in layers) else 0.0)
+
+    @property
+    def done(self) -> bool:
+        return self.checked >= BATCHES
 
     def _run(self, x, y, mask, scale, weights, directions):
         """One pass: row statistics of the losses, outputs and tapped calls; squared norms
@@ -124,24 +145,19 @@ class IndependenceCheck:
 
     def __call__(self, x, y, mask=None) -> bool:
         """Check on the batch (eagerly, before its step); raise :class:`NotPerExampleError`
-        if the model mixes its examples. True once the check has run (a batch with fewer than
-        two real records cannot mix any: the next one is checked)."""
+        if the model mixes its examples. True once BATCHES batches have been checked (one
+        with fewer than two real records cannot mix any and is not counted)."""
         if self.done:
             return True
         batch = int(tf.shape(tf.nest.flatten(x)[0])[0])
         mask = (np.ones(batch, bool) if mask is None
                 else np.asarray(tf.cast(mask, tf.bool)).reshape(batch))
-        if mask.sum() < 2:
-            return False
-        state = [(v, tf.identity(v.value)) for v in self.engine.model.non_trainable_variables]
-        try:
-            self._check(x, y, mask, batch, state)
-        finally:
-            _restore(state)
-        self.done = True
-        return True
+        if mask.sum() >= 2:
+            self._check(x, y, mask, batch)
+            self.checked += 1
+        return self.done
 
-    def _check(self, x, y, mask, batch, state) -> None:
+    def _check(self, x, y, mask, batch) -> None:
         rng = np.random.default_rng(batch)
         order = [rng.permutation(batch) for _ in range(SPLITS)]
         halves = [sorted(p[:(batch + 1) // 2].tolist()) for p in order]
@@ -155,36 +171,57 @@ class IndependenceCheck:
                                                  dtype=tf.float64)
                       for j, v in enumerate(self.engine.variables)]
 
-        def run(x, y, mask, w, scale=ones):
-            _restore(state)
-            rows, sq, sums = self._statistics(x, y, mask, tf.constant(scale), tf.constant(w),
-                                              directions)
-            return [r.numpy() for r in rows], sq.numpy(), sums.numpy()
+        def inputs(x, y, mask, w, scale=ones):
+            return x, y, mask, tf.constant(scale), tf.constant(w), directions
 
-        rows, sq, sums = run(x, y, mask, weights[-1])
-        self._compare((rows, sq, sums), run(x, y, mask, weights[-1]), every, RERUN_TOLERANCE,
-                      _REPEAT)
-        for _ in range(SCALINGS):
-            scale = np.exp2(rng.integers(-8, 9, batch)).astype(np.float32)
-            self._compare((rows, sq, sums), run(x, y, mask, weights[-1] / scale, scale),
-                          every, SCALE_TOLERANCE, "the losses were scaled per example",
-                          scale=scale)
-        for kept, w in zip(halves, weights):
-            source = next((i for i in kept if mask[i]), kept[0])
-            index = np.array([i if i in kept else source for i in range(batch)])
-            gather = _gatherer(index, batch)
-            first = rows, sq, run(x, y, mask, w)[2]
-            again = run(tf.nest.map_structure(gather, x), tf.nest.map_structure(gather, y),
-                        mask[index], w)
-            self._compare(first, again, kept, RERUN_TOLERANCE,
-                          f"the examples other than {kept[:8]} of {batch} were replaced")
+        try:
+            concrete = self._statistics.get_concrete_function(*inputs(x, y, mask, weights[-1]))
+        except tf.errors.OperatorNotAllowedInGraphError:  # Python control flow on tensors
+            self._statistics = tf.function(self._run)
+            concrete = self._statistics.get_concrete_function(*inputs(x, y, mask, weights[-1]))
+        # every variable the pass may change: Keras seed generators and non-trainable
+        # variables, metrics and tf.Variables held by layers, tf.random.Generator states
+        state = [v for v in concrete.variables if not v.trainable]
+        initial = [tf.identity(v) for v in state]
 
-    def _compare(self, first, second, kept, tolerance, when: str, scale=None) -> None:
+        def run(*args):
+            for variable, value in zip(state, initial):
+                variable.assign(value)
+            rows, sq, sums = self._statistics(*inputs(*args))
+            return [r.numpy() for r in rows], sq.numpy(), sums.numpy(), [v.numpy() for v in state]
+
+        try:
+            first = run(x, y, mask, weights[-1])
+            self._compare(first, run(x, y, mask, weights[-1]), every, RERUN_TOLERANCE, _REPEAT,
+                          state=state)
+            for _ in range(SCALINGS):
+                scale = np.exp2(rng.integers(-8, 9, batch)).astype(np.float32)
+                self._compare(first, run(x, y, mask, weights[-1] / scale, scale), every,
+                              SCALE_TOLERANCE, "the losses were scaled per example", scale=scale)
+            for k, (kept, w) in enumerate(zip(halves, weights)):
+                source = next((i for i in kept if mask[i]), kept[0])
+                index = np.array([i if i in kept else source for i in range(batch)])
+                factor = FACTORS[k // 2]
+                replaced = tf.nest.map_structure(_replacer(index, batch, factor), x)
+                again = run(replaced, tf.nest.map_structure(_replacer(index, batch), y),
+                            mask[index], w)
+                base = first[:2] + run(x, y, mask, w)[2:3] + first[3:]
+                self._compare(base, again, kept, RERUN_TOLERANCE,
+                              f"the examples other than {kept[:8]} of {batch} were replaced "
+                              f"(by {'a copy of' if factor == 1 else f'{factor} times'} one of "
+                              f"them)", state=state)
+        finally:
+            for variable, value in zip(state, initial):
+                variable.assign(value)
+
+    def _compare(self, first, second, kept, tolerance, when: str, *, scale=None,
+                 state=()) -> None:
         """Raise if ``second``'s statistics differ from ``first``'s in rows ``kept``: the
         forward rows (unless the losses were scaled by ``scale``), the squared norms (times
-        scale^2) and the weighted sums."""
-        rows, sq, sums = first
-        rows2, sq2, sums2 = second
+        scale^2), the weighted sums, and the values the ``state`` variables were left with."""
+        rows, sq, sums, after = first
+        rows2, sq2, sums2, after2 = second
+        tolerance = max(tolerance, self._floor)
         if scale is None:  # a scaling of the losses leaves the forward pass alone
             for what, want, got in zip(self._what, rows, rows2):
                 picked = kept if len(want) == len(sq) else [0]
@@ -193,13 +230,30 @@ class IndependenceCheck:
         want = sq if scale is None else sq * np.square(scale.astype(np.float64))[:, None]
         for j, leaf in enumerate(self.engine.names):
             self._expect(f"the squared gradient norm of {leaf!r}", sq2[kept, j:j + 1],
-                         want[kept, j:j + 1], want[kept, j], 2 * tolerance, kept, when)
+                         want[kept, j:j + 1], want[kept, j], 2 * tolerance, kept, when,
+                         squared=True)
         for leaf, got, want in zip(self.engine.names, sums2, sums):
             self._expect(f"a weighted sum of the gradients of {leaf!r}", got[None],
                          want[None], want[None, 1], tolerance, None, when)
+        paths = {v.value.ref(): v.path for v in self.engine.model.variables}
+        for variable, want, got in zip(state, after, after2):
+            flat, flat2 = np.ravel(want).astype(np.float64), np.ravel(got).astype(np.float64)
+            if flat.size:
+                self._expect(f"the value that {paths.get(variable.ref(), variable.name)!r} "
+                             f"was left with (state a later step reads)",
+                             flat2[None], flat[None], np.abs(flat).max(keepdims=True),
+                             tolerance, None, when)
 
     @staticmethod
-    def _expect(what: str, got, want, norms, tolerance: float, kept, when: str) -> None:
+    def _expect(what: str, got, want, norms, tolerance: float, kept, when: str, *,
+                squared: bool = False) -> None:
+        """Raise if ``got`` and ``want`` (rows, k) differ by more than ``tolerance`` of the
+        rows' ``norms``, these raised to FLOOR of the largest (squared: FLOOR^2), so that
+        rows near zero, which underflow, are not compared to their own rounding."""
+        floor = FLOOR ** 2 if squared else FLOOR
+        finite = np.abs(norms[np.isfinite(norms)])
+        if finite.size:
+            norms = np.maximum(norms, floor * finite.max())
         found = _deviating(got, want, tolerance, norms)
         if found is None:
             return
@@ -219,23 +273,28 @@ class IndependenceCheck:
             f"{deviation:.3g} (against a norm of {norm:.3g}) when {when}. The cause may be a "
             f"statistic of the batch (h - ops.mean(h, axis=0), with or without "
             f"stop_gradient, inputs normalised by the batch), a reference row, a reordering or "
-            f"pairing of the batch, a custom gradient that moves or rescales rows, or a loss "
-            f"computed over the batch. Each example's gradient would depend on the others, "
-            f"and clipping would not bound it. Remove the mixing; if the model's inputs have "
-            f"rows that are not the examples, pass check_independence=False")
+            f"pairing of the batch, a custom gradient that moves or rescales rows, a loss "
+            f"computed over the batch, or a statistic of the batch kept in a variable (a "
+            f"running mean) that later steps read. Each example's gradient would depend on "
+            f"other records, and clipping would not bound it. Remove the mixing; if the "
+            f"model's inputs have rows that are not the examples, or the statistic is kept "
+            f"for monitoring only, pass check_independence=False")
 
 
-def _restore(state) -> None:
-    for variable, value in state:
-        variable.assign(value)
+def _replacer(index: np.ndarray, batch: int, factor: float = 1.0):
+    """Take the rows of every tensor with the batch's rows on axis 0 by ``index``, floating
+    ones multiplied by ``factor`` where ``index`` moved them (a copy of one row changes no
+    statistic that every row shares, such as a maximum every image reaches)."""
+    moved = tf.constant(index != np.arange(batch))
 
-
-def _gatherer(index: np.ndarray, batch: int):
-    """Replace the rows of every tensor with the batch's rows on axis 0 by ``index``."""
-    def gather(t):
+    def replace(t):
         if tf.is_tensor(t) or isinstance(t, np.ndarray):
             t = tf.convert_to_tensor(t)
             if t.shape.rank and t.shape[0] == batch:
-                return tf.gather(t, index)
+                rows = tf.gather(t, index)
+                if factor != 1 and t.dtype.is_floating:
+                    where = tf.reshape(moved, [batch] + [1] * (t.shape.rank - 1))
+                    rows = tf.where(where, rows * tf.cast(factor, t.dtype), rows)
+                return rows
         return t
-    return gather
+    return replace

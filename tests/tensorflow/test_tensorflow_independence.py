@@ -93,6 +93,65 @@ def test_mixing_before_a_zero_head_and_in_the_inputs_is_refused():
             private(model)[0](*data(16))
 
 
+class RunningCentre(L.Layer):
+    """Centres with a running mean of earlier batches, read before it is updated: step t's
+    gradients carry batch t-1's records."""
+
+    def build(self, shape):
+        self.mean = self.add_weight(shape=shape[1:], initializer="zeros", trainable=False)
+
+    def call(self, t, training=None):
+        out = t - self.mean
+        if training:
+            self.mean.assign(0.5 * self.mean + 0.5 * ops.mean(t, axis=0))
+        return out
+
+
+class Monitored(L.Layer):
+    """Keeps the mean activation in a Keras metric: a statistic of the batch in state."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.activation = keras.metrics.Mean()
+
+    def call(self, t):
+        self.activation.update_state(ops.mean(t))
+        return t
+
+
+@pytest.mark.parametrize("layer", [RunningCentre, Monitored])
+def test_a_batch_statistic_kept_for_later_steps_is_refused(layer):
+    with pytest.raises(NotPerExampleError, match="later step reads"):
+        private(mlp(layer()))[0](*data(16))
+
+
+def test_a_batch_statistic_that_every_row_shares_is_refused():
+    """Inputs divided by the batch's maximum, on data where every record reaches it: copies
+    of a kept row change nothing, the doubled rows of the second split do."""
+    x, y = data(16)
+    x[:, 0] = 1.0
+    x[:, 1:] = np.abs(x[:, 1:]) / (1 + np.abs(x[:, 1:]))
+    with pytest.raises(NotPerExampleError, match="2.0 times"):
+        private(mlp(mix_inputs=lambda t: t / ops.max(t)))[0](x, y)
+
+
+def test_mixing_that_the_first_step_switches_on_is_refused_at_the_second():
+    """Logits centred over the batch behind a zero head: no effect on the first batch (every
+    logit is 0); the second batch is checked with the weights the first step moved."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    logits = L.Dense(3, kernel_initializer="zeros")(L.Dense(8, activation="tanh")(inputs))
+    centred = L.Lambda(MIXING["detached batch mean"])(logits)
+    model = keras.Model(inputs, centred)
+    dp, agg = private(model)
+    x, y = data(16)
+    keras.optimizers.SGD(0.5).apply(dp(x, y), model.trainable_variables)
+    assert dp.independence.checked == 1 and len(agg.ledger.events) == 2
+    with pytest.raises(NotPerExampleError, match="mixes the examples"):
+        dp(x, y)
+    assert len(agg.ledger.events) == 2
+
+
 def test_a_loss_that_mixes_the_examples_is_refused():
     def centred(y, logits):
         losses = keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
@@ -124,14 +183,19 @@ def test_fit_and_train_on_batch_refuse_a_mixing_model_and_record_nothing(tmp_pat
 
 
 class Counter(L.Layer):
-    """Per example, with state the forward pass updates (a step counter)."""
+    """Per example, with state the forward pass updates: a step counter (a Keras variable
+    and a bare tf.Variable) and noise from a tf.random.Generator."""
 
     def build(self, shape):
         self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False)
+        self.tf_calls = tf.Variable(0.0, trainable=False)
+        self.generator = tf.random.Generator.from_seed(1)
 
     def call(self, t, training=None):
         if training:
             self.calls.assign_add(1.0)
+            self.tf_calls.assign_add(1.0)
+            t = t + 0.01 * tf.cast(self.generator.normal(tf.shape(t)), t.dtype)
         return t
 
 
@@ -178,9 +242,37 @@ def test_per_example_models_pass_and_train_as_without_the_check(kind):
         for x, y in _batches(kind, 12, 3):
             optimizer.apply(dp(x, y), model.trainable_variables)
         assert dp.independence is None or dp.independence.done
-        after[check] = [v.numpy() for v in model.variables]
+        counter = [layer for layer in model._flatten_layers() if isinstance(layer, Counter)]
+        after[check] = [v.numpy() for v in model.variables] + [
+            c.tf_calls.numpy() for c in counter] + [c.generator.state.numpy() for c in counter]
     for on, off in zip(after[True], after[False]):
         np.testing.assert_array_equal(on, off)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_models_pass(policy):
+    """float16's narrow range: gradients scaled by 2^-8 fall into its subnormals."""
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        models = [mlp(seed=seed) for seed in range(4)]
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    for model in models:
+        for batch in (8, 32):
+            dp, _ = private(model)
+            dp(*data(batch))
+
+
+def test_examples_with_vanishing_gradients_pass():
+    """Confident logits: some examples' squared norms underflow in one run and not in a
+    scaled one; they are compared against the batch's largest norms, not their own."""
+    model = mlp()
+    head = model.layers[-1]
+    head.kernel.assign(head.kernel * 60.0)
+    dp, _ = private(model)
+    dp(*data(64))
+    dp(*data(64, seed=1))
+    assert dp.independence.done
 
 
 def test_randomness_the_check_cannot_replay_is_reported():
@@ -249,3 +341,19 @@ def test_fit_with_the_check_trains_on_the_batch_it_checked():
     assert traces == {True: 1, False: 1}
     for on, off in zip(after[True], after[False]):
         np.testing.assert_array_equal(on, off)
+
+
+def test_a_loss_with_python_control_flow_is_checked_through_autograph():
+    """The check traces as Keras does (no autograph) unless the model or loss needs it, as
+    this loss does (a Python ``if`` on a tensor), and PrivateGradients's step converts it."""
+    def guarded(y, logits):
+        losses = keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+        if tf.reduce_any(tf.math.is_nan(losses)):
+            losses = tf.where(tf.math.is_nan(losses), tf.zeros_like(losses), losses)
+        return losses
+
+    dp, agg = private(mlp(), guarded)
+    dp(*data(8))
+    assert dp.independence.checked == 1
+    with pytest.raises(NotPerExampleError):
+        private(mlp(MIXING["batch mean"]), guarded)[0](*data(8))
