@@ -1,5 +1,6 @@
-"""A check, on the model's first training forward pass, that it keeps the examples of the
-batch apart.
+"""A check, on the model's first two training forward passes (the second with the weights the
+first step moved: mixing behind a zero-initialised head does nothing at first), that it keeps
+the examples of the batch apart.
 
 The engine forms example i's gradient from the input x_i and the backprop g_i that reach row
 i of each instrumented layer. That is example i's own gradient only if neither depends on
@@ -29,7 +30,9 @@ pseudo-random direction and its norm (float64). The check has two parts:
    so the rerun's graph is the only one held). The rows are split at random into two halves,
    SPLITS times; for each half, the pass runs again (same parameters, random state, buffers,
    generators held by the modules, training modes and autocast; inputs as passed) with
-   every row of the other half given the input of one row of this half. In this half's rows
+   every row of the other half given the input of one row of this half (floating inputs
+   times FACTORS[split]: a copy changes no statistic every row shares, such as a maximum
+   each image reaches). In this half's rows
    every layer's input and output (what its per-example gradient reads: a layer whose weight
    is zero shows mixing in its input only) and the model's outputs must be unchanged (to
    1e-5 of the row's norm on the CPU, whose kernels repeat a row exactly; two ulps of 16-bit
@@ -37,7 +40,15 @@ pseudo-random direction and its norm (float64). The check has two parts:
    (detached statistics, inputs normalised by the batch) and backward passes that scale
    rows by statistics of others. One pair of rows mixed without gradient goes unseen when
    the two rows fall in the same half in every split: for a given model and batch size (the
-   splits are fixed), 1 pair in 16; mixing of more rows, essentially never.
+   splits are fixed), 1 pair in 16; mixing of more rows, essentially never. If a rerun
+   leaves the buffers otherwise than the pass did (a statistic of the batch kept in state),
+   the batch runs once more from each: what it computes must not change, or later steps
+   would read this batch's records (a running mean read before its update); a statistic
+   that no pass reads passes.
+
+Rows whose norm is below FLOOR of the largest are compared against it (gradients that
+underflow); float16 tensors to float16's precision (gradients scaled by 2^-8 reach its
+subnormals).
 
 Gradients are read by hooks on the layers' outputs, only their row statistics kept, so the
 check holds no more than a backward pass does. The engine's book-keeping ignores its
@@ -45,7 +56,7 @@ backward passes (:func:`probing`) and drops the rerun's layer calls; the recordi
 fallback call around the first part does not see it (:mod:`dpcore_torch.draws`); its random
 numbers come from a generator of its own, so the user's random streams are unchanged. Not
 seen: mixing inside the loss (the model's outputs are probed; the loss is the user's), and
-mixing that only later batches trigger.
+mixing that only later batches or weights trigger.
 """
 
 from __future__ import annotations
@@ -58,12 +69,15 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from .draws import unobserved
-from .snapshot import Snapshot
+from .snapshot import Snapshot, buffers
 
 BACKWARD_TOLERANCE = 1e-6
 RERUN_TOLERANCE = 1e-5
 SCALINGS = 2  # scaled backward passes; factors 2^e, e uniform in -8..8
 SPLITS = 4  # random splits of the batch into halves for the rerun
+FACTORS = (1.0, 2.0, -1.0, 0.5)  # per split: the replaced rows' floating inputs, source times
+BATCHES = 2  # checked passes: the first, and the next with the weights the first step moved
+FLOOR = 1e-6  # rows with norms below this fraction of the largest are compared to it
 _ROOT_SEEDS = 1 << 20  # the model's outputs' directions (a layer's output's: its index)
 _INPUT_SEEDS = 1 << 21  # the layers' inputs' directions
 _active = False
@@ -132,15 +146,42 @@ def row_statistics(t: torch.Tensor, seed: int) -> torch.Tensor:
 
 def _deviating(got, want, tolerance: float):
     """Rows where statistics ``got`` differ from ``want`` (B, 2) by more than ``tolerance``
-    of the row's norm (a NaN where the other has none differs); (rows, worst, its norm)."""
+    of the row's norm, raised to FLOOR of the largest (rows near zero underflow); a NaN where
+    the other has none differs; (rows, worst, its norm)."""
     both_nan = got.isnan() & want.isnan()
     deviation = torch.where(both_nan | (got == want), 0, (got - want).abs()).amax(1)
     norms = want[:, 1].nan_to_num(0)
+    norms = norms.clamp(min=FLOOR * float(norms.max())) if norms.numel() else norms
     bad = ~(deviation <= tolerance * norms)
     if not bool(bad.any()):
         return None
     worst = int(torch.where(bad, deviation.nan_to_num(float("inf")), -1).argmax())
     return bad.nonzero()[:, 0].tolist(), float(deviation[worst]), float(norms[worst])
+
+
+def _changed_buffers(left: dict, after: dict) -> list:
+    """The keys of the buffers in ``after`` that differ from ``left``'s (floating ones by
+    more than RERUN_TOLERANCE of the largest magnitude)."""
+    changed = []
+    for key, got in after.items():
+        want = left.get(key)
+        if got is None or want is None or got.shape != want.shape:
+            continue
+        if got.is_floating_point() and want.numel():
+            atol = RERUN_TOLERANCE * float(want.detach().abs().nan_to_num(0).max())
+            same = torch.allclose(got, want, rtol=0, atol=atol, equal_nan=True)
+        else:
+            same = torch.equal(got, want)
+        if not same:
+            changed.append(key)
+    return changed
+
+
+def _tolerance(tolerance: float, t: torch.Tensor) -> float:
+    """``tolerance``, or float16's precision for its tensors (its narrow range: gradients
+    scaled by 2^-8 fall into its subnormals)."""
+    return max(tolerance, torch.finfo(torch.float16).eps) if t.dtype == torch.float16 \
+        else tolerance
 
 
 class _Pass:
@@ -177,6 +218,8 @@ class Probe:
         self._cotangents: list = []
         self._rerun_output = None
         self._rng = torch.Generator().manual_seed(0)
+        self.checked = 0  # passes checked
+        self._left = None  # (buffers the pass left, others a rerun left, the keys changed)
 
     # ------------------------------------------------------------------ capture
     def start(self, module, args, kwargs) -> None:
@@ -267,9 +310,10 @@ class Probe:
             scale = torch.randint(-8, 9, (b,), generator=self._rng).double().exp2()
             scaled = self._backprops(roots, layers, retain=True, scale=scale)
             mixed = None
-            for (unit, _), got, want in zip(layers, scaled, grads):  # the last: nearest
+            for (unit, t), got, want in zip(layers, scaled, grads):  # the last: nearest
                 if got is not None and want is not None:
-                    found = _deviating(got, want * scale[:, None], BACKWARD_TOLERANCE)
+                    found = _deviating(got, want * scale[:, None],
+                                       _tolerance(BACKWARD_TOLERANCE, t))
                     if found is not None:
                         mixed = unit, found
             if mixed is not None:
@@ -320,11 +364,16 @@ class Probe:
         try:
             if before.parameters_changed(module):
                 return
+            self._left = None
             for split in range(SPLITS):
                 if not self._rerun_split(module, before, first, split):
                     return
+            self._check_state_read(module, before)
+            self.checked += 1
+            if self.checked < BATCHES:
+                self.state = "waiting"
         finally:
-            self._cotangents = []
+            self._cotangents, self._left = [], None
 
     def _rerun_split(self, module, before: Snapshot, first: _Pass, split: int) -> bool:
         """The reruns of one random split of the batch into halves (the gradients compared
@@ -332,7 +381,8 @@ class Probe:
         b = self._batch
         order = torch.randperm(b, generator=self._rng).tolist()
         halves = [sorted(order[:(b + 1) // 2]), sorted(order[(b + 1) // 2:])]
-        inputs, found = zip(*[before.replaced(b, kept, kept[0]) for kept in halves])
+        inputs, found = zip(*[before.replaced(b, kept, kept[0], FACTORS[split])
+                              for kept in halves])
         if split == 0:
             if not any(found):
                 warnings.warn(
@@ -347,40 +397,27 @@ class Probe:
                 return False
         for kept, replaced in zip(halves, inputs):
             if replaced is not None:
-                self._rerun(module, before, first, replaced, kept, gradients=split == 0)
+                self._rerun(module, before, first, replaced, kept, gradients=split == 0,
+                            factor=FACTORS[split])
         return True
 
-    def _rerun(self, module, before: Snapshot, first: _Pass, replaced, kept, *,
-               gradients: bool) -> None:
-        """Run the pass again with the ``replaced`` (args, kwargs); the rows ``kept`` must
-        not change."""
-        args, kwargs = replaced
-        b = self._batch
+    @contextlib.contextmanager
+    def _again(self, module, before: Snapshot, inputs, start: dict | None = None):
+        """Run the pass again on ``inputs`` (args, kwargs) from ``before`` (its buffers
+        ``start`` if given); yields (_Pass, roots, layers, inputs, the buffers it leaves)
+        while its graph lives. Nothing it records stays."""
+        args, kwargs = inputs
         self.state = "rerun"
         self._capture_calls(module)
         try:
-            with before.restored(module):
+            with before.restored(module, start):
                 try:
                     module(*args, **kwargs)
                 finally:
                     self._remove()
                 output, self._rerun_output = self._rerun_output, None
-                roots, layers, inputs = self._outputs(module, output, b)
-                again = _Pass(roots, layers, inputs)
-                if first.course != again.course:
-                    raise self._error(
-                        f"the forward pass took another course (other layer calls or shapes) "
-                        f"when the examples other than {kept[:8]} of {b} were replaced")
-                self._compare(first.inputs, again.inputs, inputs, kept, "the input of",
-                              " (the first layer input to change)")
-                self._compare(first.layers, again.layers, layers, kept, "the output of",
-                              " (the first layer output to change)")
-                self._compare(first.roots, again.roots, [(None, t) for t in roots], kept,
-                              "the model's output")
-                if gradients:
-                    self._compare(first.grads, self._backprops(roots, layers, retain=False),
-                                  layers, kept, "the gradient reaching the output of",
-                                  " (the last to change)", last=True)
+                roots, layers, found = self._outputs(module, output, self._batch)
+                yield _Pass(roots, layers, found), roots, layers, found, buffers(module)
         finally:
             self.state = "done"
             for unit in self.units:  # the rerun's calls: not part of any step
@@ -388,8 +425,57 @@ class Probe:
                 for call in new:
                     call.release()
 
-    def _compare(self, first, second, entries, kept, what: str, which: str = "", *,
-                 last: bool = False) -> None:
+    def _rerun(self, module, before: Snapshot, first: _Pass, replaced, kept, *,
+               gradients: bool, factor: float) -> None:
+        """Run the pass again with the ``replaced`` (args, kwargs); the rows ``kept`` must
+        not change. Keep the first buffers a rerun leaves otherwise than the pass."""
+        b = self._batch
+        left = buffers(module)  # as the pass left them
+        with self._again(module, before, replaced) as (again, roots, layers, inputs, after):
+            replacement = "a copy of" if factor == 1 else f"{factor} times"
+            when = (f"when the examples other than {kept[:8]} of {b} were replaced (by "
+                    f"{replacement} one of them)")
+            if first.course != again.course:
+                raise self._error(f"the forward pass took another course (other layer calls "
+                                  f"or shapes) {when}")
+            self._compare(first.inputs, again.inputs, inputs, kept, when, "the input of",
+                          " (the first layer input to change)")
+            self._compare(first.layers, again.layers, layers, kept, when, "the output of",
+                          " (the first layer output to change)")
+            self._compare(first.roots, again.roots, [(None, t) for t in roots], kept, when,
+                          "the model's output")
+            if gradients:
+                self._compare(first.grads, self._backprops(roots, layers, retain=False),
+                              layers, kept, when, "the gradient reaching the output of",
+                              " (the last to change)", last=True)
+            changed = _changed_buffers(left, after)
+            if changed and self._left is None:
+                self._left = (left, {key: t.clone() for key, t in after.items()
+                                     if t is not None}, changed)
+
+    def _check_state_read(self, module, before: Snapshot) -> None:
+        """If a rerun left buffers otherwise than the pass (a statistic of the batch), run
+        the batch again from each: what it computes must not change (a running mean read by
+        later steps would carry this batch's records into them)."""
+        if self._left is None:
+            return
+        left, other, changed = self._left
+        names = {id(m): name for name, m in module.named_modules()}
+        state = [f"{names.get(key, '?')}.{name}" for key, name in changed][:4]
+        with self._again(module, before, before.copied(), left) as (want, *_):
+            pass
+        with self._again(module, before, before.copied(), other) as (got, roots, layers,
+                                                                     inputs, _):
+            every = list(range(self._batch))
+            when = (f"when the batch ran again from the buffers {state} that a batch with "
+                    f"other records left (a statistic of the batch kept for later steps)")
+            self._compare(want.inputs, got.inputs, inputs, every, when, "the input of")
+            self._compare(want.layers, got.layers, layers, every, when, "the output of")
+            self._compare(want.roots, got.roots, [(None, t) for t in roots], every, when,
+                          "the model's output")
+
+    def _compare(self, first, second, entries, kept, when: str, what: str, which: str = "",
+                 *, last: bool = False) -> None:
         """Raise if the statistics ``second`` of the rerun's ``entries`` ((unit, tensor); unit
         None for the model's outputs) differ from ``first``'s in rows ``kept``, naming the
         first that does (the ``last``)."""
@@ -397,7 +483,7 @@ class Probe:
         for want, got, (unit, t) in zip(first, second, entries):
             if want is None or got is None:
                 continue
-            tolerance = RERUN_TOLERANCE if t.device.type == "cpu" else max(
+            tolerance = _tolerance(RERUN_TOLERANCE, t) if t.device.type == "cpu" else max(
                 RERUN_TOLERANCE, 2 * torch.finfo(t.dtype).eps)
             found = _deviating(got[kept], want[kept], tolerance)
             if found is not None:
@@ -409,8 +495,7 @@ class Probe:
             where = what if unit is None else f"{what} {self._name(unit)}{which}"
             raise self._error(
                 f"{where} changed in the rows of examples {[kept[r] for r in rows][:8]} of "
-                f"{self._batch} by {deviation:.3g} (against a norm of {norm:.3g}) when the "
-                f"other examples' inputs were replaced")
+                f"{self._batch} by {deviation:.3g} (against a norm of {norm:.3g}) {when}")
 
     def _name(self, unit) -> str:
         return f"{type(unit.module).__name__} {self.names.get(id(unit.module), '?')!r}"
@@ -421,8 +506,9 @@ class Probe:
             f"the model mixes the examples of a batch: {finding}. The cause may be a "
             f"statistic of the batch (h - h.mean(0), detached or not, inputs normalised by the "
             f"batch), a reference row, a reordering or pairing of the batch, a hook or "
-            f"autograd Function that moves or rescales gradient rows, or a layer applied to a "
-            f"tensor whose rows are not the examples. Each example's gradient would depend on "
-            f"the others, and clipping would not bound it. Remove the mixing; if the model's "
-            f"inputs or outputs have B rows that are not the examples, pass "
-            f"check_independence=False")
+            f"autograd Function that moves or rescales gradient rows, a layer applied to a "
+            f"tensor whose rows are not the examples, or a statistic of the batch kept in a "
+            f"buffer (a running mean) that later steps read. Each example's gradient would "
+            f"depend on other records, and clipping would not bound it. Remove the mixing; if "
+            f"the model's inputs or outputs have B rows that are not the examples, or the "
+            f"statistic is kept for monitoring only, pass check_independence=False")

@@ -66,7 +66,7 @@ class Snapshot:
         self.inputs = _rebuilt((args, kwargs), _kept)
         self.cpu = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.buffers = _buffers(module, copy=True)
+        self.buffers = buffers(module, copy=True)
         self.generators = _generators(module)
         self.versions = {id(p): p._version for p in module.parameters()}
         self.training = [m.training for m in module.modules()]
@@ -78,10 +78,11 @@ class Snapshot:
         say): the rerun could not start from the same parameters."""
         return any(p._version != self.versions.get(id(p)) for p in module.parameters())
 
-    def replaced(self, b: int, kept, source: int):
+    def replaced(self, b: int, kept, source: int, factor: float = 1.0):
         """((args, kwargs) with every row outside ``kept`` of every input of b rows (a tensor
-        with b rows, a list of b texts or sequences) given row ``source``'s values, or None
-        if that changes nothing; whether there is such an input)."""
+        with b rows, a list of b texts or sequences) given row ``source``'s values (times
+        ``factor`` in floating tensors), or None if that changes nothing; whether there is
+        such an input)."""
         changed = found = False
         others = torch.ones(b, dtype=torch.bool)
         others[kept] = False
@@ -97,7 +98,8 @@ class Snapshot:
                 return t
             with torch.no_grad():
                 new = t.detach().clone()
-                new[others.to(t.device)] = t[source]
+                row = t[source] * factor if t.is_floating_point() else t[source]
+                new[others.to(t.device)] = row
             changed = changed or not torch.equal(new, t)
             return new.requires_grad_(t.requires_grad)
 
@@ -105,11 +107,16 @@ class Snapshot:
         inputs = _rebuilt(args, replace, b), _rebuilt(kwargs, replace, b)
         return (inputs if changed else None), found
 
+    def copied(self):
+        """(args, kwargs) as the pass was given them: fresh copies, which a pass may change."""
+        return _rebuilt(self.inputs, _kept)
+
     @contextlib.contextmanager
-    def restored(self, module):
+    def restored(self, module, start: dict | None = None):
         """The pass's random state, generators, training modes and autocast, and copies of
-        its buffers in place of the buffers, all put back on exit."""
-        after, after_generators = _buffers(module), _generators(module)
+        its buffers (or of ``start``'s, from :func:`buffers`) in place of the buffers, all
+        put back on exit."""
+        after, after_generators = buffers(module), _generators(module)
         modes = [m.training for m in module.modules()]
         devices = list(range(len(self.cuda))) if self.cuda is not None else []
         with contextlib.ExitStack() as stack:
@@ -121,8 +128,8 @@ class Snapshot:
                 stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
             stack.enter_context(torch.enable_grad())
             try:
-                _set_buffers(module, {key: None if t is None else t.clone()
-                                      for key, t in self.buffers.items()})
+                _set_buffers(module, {key: None if t is None else t.clone() for key, t in
+                                      (self.buffers if start is None else start).items()})
                 for generator, state in self.generators:
                     generator.set_state(state)
                 for m, training in zip(module.modules(), self.training):
@@ -136,7 +143,7 @@ class Snapshot:
                     m.training = training
 
 
-def _buffers(module, copy: bool = False) -> dict:
+def buffers(module, copy: bool = False) -> dict:
     """{(module, name): buffer} of every module (copies if ``copy``)."""
     return {(id(m), name): (t.detach().clone() if copy and t is not None else t)
             for m in module.modules() for name, t in m._buffers.items()}

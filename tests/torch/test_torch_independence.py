@@ -264,7 +264,8 @@ class Stateful(nn.Module):
 @pytest.mark.parametrize("name", ["attention", "convolutional", "checkpointed", "stateful"])
 def test_per_example_models_pass_and_the_check_changes_nothing(name):
     """Same seed with and without the check: the same outputs, per-example gradients, norms
-    and buffers, and the same state of the global generator afterwards."""
+    and buffers, and the same state of the global generator afterwards. (A statistic of the
+    inputs kept in a buffer that no pass reads passes.)"""
     results = []
     for check in (True, False):
         torch.manual_seed(3)
@@ -284,6 +285,7 @@ def test_per_example_models_pass_and_the_check_changes_nothing(name):
         out.square().mean().backward()
         grads = engine.per_example_grads()
         norms = engine.sq_norms(list(engine.params))
+        engine.clear()  # the reruns
         buffers = [t.clone() for t in model.buffers()]
         results.append((out.detach(), grads, norms, torch.get_rng_state(), buffers))
     (out, grads, norms, state, buffers), (out0, grads0, norms0, state0, buffers0) = results
@@ -512,3 +514,87 @@ def test_positional_arguments_as_many_as_the_examples_are_not_taken_for_rows():
     model = Scaled()
     engine = PerExampleEngine(model)
     first_step(model, engine, torch.randn(2, 5), torch.tensor([1.0, 2.0]))
+
+
+class RunningCentre(nn.Module):
+    """Centres with a running mean of earlier batches, read before it is updated: step t's
+    gradients would carry batch t-1's records."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(5, 8), nn.Linear(8, 3)
+        self.register_buffer("mean", torch.zeros(8))
+
+    def forward(self, x):
+        h = self.first(x)
+        out = h - self.mean
+        with torch.no_grad():
+            self.mean.mul_(0.5).add_(0.5 * h.mean(0))
+        return self.second(torch.tanh(out))
+
+
+def test_a_batch_statistic_kept_for_later_steps_is_refused():
+    torch.manual_seed(0)
+    model = RunningCentre()
+    engine = PerExampleEngine(model)
+    with pytest.raises(NotPerExampleError, match=r"buffers \['\.mean'\].*later steps"):
+        first_step(model, engine, torch.randn(6, 5))
+
+
+class SharedMaximum(nn.Module):
+    """Inputs divided by the batch's maximum."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.layer(x / x.max())
+
+
+def test_a_batch_statistic_that_every_row_shares_is_refused():
+    """On data where every record reaches the maximum, copies of a kept row change nothing;
+    the doubled rows of the second split do."""
+    torch.manual_seed(0)
+    x = torch.rand(8, 5)
+    x[:, 0] = 1.0
+    model = SharedMaximum()
+    with pytest.raises(NotPerExampleError, match="2.0 times"):
+        first_step(model, PerExampleEngine(model), x)
+
+
+def test_mixing_that_the_first_step_switches_on_is_refused_at_the_second():
+    """Outputs centred over the batch behind a zero head: no effect on the first batch; the
+    second pass is checked with the weights the first step moved."""
+    torch.manual_seed(0)
+    head = nn.Linear(8, 3)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    layers = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), head)
+    model = nn.Sequential(layers, Lambda(lambda t: t - t.mean(0).detach()))
+    engine = PerExampleEngine(model)
+    first_step(model, engine, torch.randn(6, 5))
+    assert engine._probe.checked == 1
+    with torch.no_grad():
+        head.weight.normal_()
+    with pytest.raises(NotPerExampleError, match="mixes the examples"):
+        first_step(model, engine, torch.randn(6, 5))
+
+
+class Lambda(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, h):
+        return self.fn(h)
+
+
+def test_a_float16_model_passes():
+    """float16's narrow range: gradients scaled by 2^-8 fall into its subnormals."""
+    for seed in range(4):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3)).half()
+        engine = PerExampleEngine(model)
+        first_step(model, engine, torch.randn(32, 5).half())
+        assert engine._probe.checked == 1
