@@ -160,19 +160,16 @@ def _deviating(got, want, tolerance: float):
 
 
 def _changed_buffers(left: dict, after: dict) -> list:
-    """The keys of the buffers in ``after`` that differ from ``left``'s (floating ones by
-    more than RERUN_TOLERANCE of the largest magnitude)."""
+    """The keys of the buffers in ``after`` that differ from ``left``'s at all (reruns from
+    one snapshot repeat bit for bit on the CPU; a count beside a mean must not hide it)."""
     changed = []
     for key, got in after.items():
         want = left.get(key)
-        if got is None or want is None or got.shape != want.shape:
+        if got is None or want is None:
             continue
-        if got.is_floating_point() and want.numel():
-            atol = RERUN_TOLERANCE * float(want.detach().abs().nan_to_num(0).max())
-            same = torch.allclose(got, want, rtol=0, atol=atol, equal_nan=True)
-        else:
-            same = torch.equal(got, want)
-        if not same:
+        if got.shape != want.shape or not (
+                torch.equal(got, want) or got.is_floating_point()
+                and torch.allclose(got, want, rtol=0, atol=0, equal_nan=True)):
             changed.append(key)
     return changed
 
@@ -220,6 +217,7 @@ class Probe:
         self._rng = torch.Generator().manual_seed(0)
         self.checked = 0  # passes checked
         self._left = None  # (buffers the pass left, others a rerun left, the keys changed)
+        self._checked_at = None  # the parameters' versions when the first check was made
 
     # ------------------------------------------------------------------ capture
     def start(self, module, args, kwargs) -> None:
@@ -228,12 +226,20 @@ class Probe:
         if self.state == "capturing":  # a pass that raised (or a nested call): start again
             self._remove()
             self.state = "waiting"
-        if self.state != "waiting" or not self.recording():
+        if self.state != "waiting" or not self.recording() or self._unmoved():
             return
         with torch._C.DisableTorchFunction():  # unseen by a recording fallback call around it
             self._before = Snapshot(module, args, kwargs)
         self._capture_calls(module)
         self.state = "capturing"
+
+    def _versions(self) -> tuple:
+        return tuple(p._version for p in self.leaves)
+
+    def _unmoved(self) -> bool:
+        """Whether no parameter has changed since the first check (a micro-batch of the same
+        step): the second is made with the weights the first step moved."""
+        return self._checked_at is not None and self._versions() == self._checked_at
 
     def _capture_calls(self, root) -> None:
         """Capture the inputs and outputs of every unit's calls but the model's own."""
@@ -305,7 +311,21 @@ class Probe:
         self._batch = b
         self._cotangents = [torch.randn(t.shape, generator=self._rng, dtype=t.dtype).to(t.device)
                             for t in roots]
-        grads = self._backprops(roots, layers, retain=True)
+        try:
+            grads = self._backprops(roots, layers, retain=True)
+        except RuntimeError as error:
+            if "donated buffer" not in str(error):
+                raise
+            if not self.checked:
+                raise RuntimeError(
+                    f"dpcore cannot check that the compiled {type(module).__name__} keeps the "
+                    f"examples apart: its compiled backward donates buffers the check's "
+                    f"backward passes need. Set torch._functorch.config.donated_buffer = "
+                    f"False before compiling, or pass check_independence=False") from error
+            warnings.warn(f"dpcore checked the compiled {type(module).__name__} on its first "
+                          f"pass only: the backward compiled for this pass donates buffers the "
+                          f"check needs", stacklevel=3)
+            return
         for _ in range(SCALINGS):
             scale = torch.randint(-8, 9, (b,), generator=self._rng).double().exp2()
             scaled = self._backprops(roots, layers, retain=True, scale=scale)
@@ -363,6 +383,12 @@ class Probe:
         self.state = "done"
         try:
             if before.parameters_changed(module):
+                warnings.warn(
+                    f"dpcore could check only the gradients of {type(module).__name__} for "
+                    f"mixing of the examples, not its forward pass: the pass changes "
+                    f"parameters in place (a clamp, a data-dependent initialisation), so it "
+                    f"cannot be run again from where it began. Make sure nothing in the model "
+                    f"computes statistics of the batch", stacklevel=3)
                 return
             self._left = None
             for split in range(SPLITS):
@@ -371,7 +397,7 @@ class Probe:
             self._check_state_read(module, before)
             self.checked += 1
             if self.checked < BATCHES:
-                self.state = "waiting"
+                self.state, self._checked_at = "waiting", self._versions()
         finally:
             self._cotangents, self._left = [], None
 
@@ -396,9 +422,20 @@ class Probe:
                 self.state = "waiting"
                 return False
         for kept, replaced in zip(halves, inputs):
-            if replaced is not None:
+            if replaced is None:
+                continue
+            try:
                 self._rerun(module, before, first, replaced, kept, gradients=split == 0,
                             factor=FACTORS[split])
+            except NotPerExampleError:
+                raise
+            except Exception:  # scaled inputs the model refuses (indices kept in floats)
+                if FACTORS[split] == 1:
+                    raise
+                copies = before.replaced(b, kept, kept[0])[0]
+                if copies is not None:
+                    self._rerun(module, before, first, copies, kept, gradients=False,
+                                factor=1.0)
         return True
 
     @contextlib.contextmanager
@@ -462,8 +499,8 @@ class Probe:
         left, other, changed = self._left
         names = {id(m): name for name, m in module.named_modules()}
         state = [f"{names.get(key, '?')}.{name}" for key, name in changed][:4]
-        with self._again(module, before, before.copied(), left) as (want, *_):
-            pass
+        with self._again(module, before, before.copied(), left) as (want, roots, layers, *_):
+            grads = self._backprops(roots, layers, retain=False)
         with self._again(module, before, before.copied(), other) as (got, roots, layers,
                                                                      inputs, _):
             every = list(range(self._batch))
@@ -473,6 +510,8 @@ class Probe:
             self._compare(want.layers, got.layers, layers, every, when, "the output of")
             self._compare(want.roots, got.roots, [(None, t) for t in roots], every, when,
                           "the model's output")
+            self._compare(grads, self._backprops(roots, layers, retain=False), layers, every,
+                          when, "the gradient reaching the output of", last=True)
 
     def _compare(self, first, second, entries, kept, when: str, what: str, which: str = "",
                  *, last: bool = False) -> None:

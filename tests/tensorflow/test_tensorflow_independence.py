@@ -361,3 +361,17 @@ def test_a_loss_with_python_control_flow_is_checked_through_autograph():
     assert dp.independence.checked == 1
     with pytest.raises(NotPerExampleError):
         private(mlp(MIXING["batch mean"]), guarded)[0](*data(8))
+
+
+def test_inputs_that_cannot_be_scaled_are_replaced_by_copies():
+    """A category index kept as a float column: doubled or negated rows are out of range, so
+    those splits fall back to copies."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    ids = L.Lambda(lambda t: ops.cast(t[:, 0], "int32"))(inputs)
+    h = ops.concatenate([L.Embedding(4, 3)(ids), inputs[:, 1:]], axis=1)
+    dp, _ = private(keras.Model(inputs, L.Dense(3)(h)))
+    x, y = data(8)
+    x[:, 0] = 2 + np.arange(8) % 2  # doubled: 4 or 6, out of range
+    dp(x[:, :5], y)
+    assert dp.independence.checked == 1

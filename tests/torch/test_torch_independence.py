@@ -598,3 +598,93 @@ def test_a_float16_model_passes():
         engine = PerExampleEngine(model)
         first_step(model, engine, torch.randn(32, 5).half())
         assert engine._probe.checked == 1
+
+
+class FloatCategory(nn.Module):
+    """Tabular rows whose first column is a category index kept as a float: the rerun's
+    doubled or negated rows are not valid inputs, so those splits fall back to copies."""
+
+    def __init__(self):
+        super().__init__()
+        self.table, self.layer = nn.Embedding(4, 3), nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.layer(torch.cat([self.table(x[:, 0].long()), x[:, 1:]], 1))
+
+
+def test_inputs_that_cannot_be_scaled_are_replaced_by_copies():
+    torch.manual_seed(0)
+    x = torch.cat([torch.randint(0, 4, (8, 1)).float(), torch.randn(8, 4)], 1)
+    model = FloatCategory()
+    engine = PerExampleEngine(model)
+    first_step(model, engine, x)
+    assert engine._probe.checked == 1
+
+
+class GradientScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, scale):
+        ctx.save_for_backward(scale)
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, g):
+        (scale,) = ctx.saved_tensors
+        return g / scale, None
+
+
+class ReadInBackward(nn.Module):
+    """A statistic of earlier batches (with a count beside it) that only the backward pass
+    reads: the next step's gradients would carry this batch's records."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(5, 8), nn.Linear(8, 3)
+        self.register_buffer("state", torch.tensor([1e6] + [1.0] * 8))
+
+    def forward(self, x):
+        h = GradientScale.apply(torch.tanh(self.first(x)), self.state[1:].clone())
+        with torch.no_grad():
+            self.state[0] += 1
+            self.state[1:].mul_(0.5).add_(0.5 * h.abs().mean(0))
+        return self.second(h)
+
+
+def test_a_statistic_kept_for_the_next_backward_pass_is_refused():
+    torch.manual_seed(0)
+    model = ReadInBackward()
+    with pytest.raises(NotPerExampleError, match=r"gradient.*buffers \['\.state'\]"):
+        first_step(model, PerExampleEngine(model), torch.randn(6, 5))
+
+
+def test_the_second_check_waits_for_the_weights_to_move():
+    """Micro-batches of one step share its weights: the second check is made on a pass after
+    the step's update."""
+    torch.manual_seed(0)
+    model = Model()
+    engine = PerExampleEngine(model)
+    first_step(model, engine, torch.randn(6, 5))
+    first_step(model, engine, torch.randn(6, 5))
+    assert engine._probe.checked == 1
+    with torch.no_grad():
+        model.first.weight.add_(0.1)
+    first_step(model, engine, torch.randn(6, 5))
+    assert engine._probe.checked == 2
+
+
+class Clamped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(5, 3)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.layer.weight.clamp_(-0.3, 0.3)
+        return self.layer(x)
+
+
+def test_a_pass_that_changes_parameters_in_place_is_reported_unchecked():
+    torch.manual_seed(0)
+    model = Clamped()
+    with pytest.warns(UserWarning, match="changes parameters in place"):
+        first_step(model, PerExampleEngine(model), torch.randn(6, 5))
