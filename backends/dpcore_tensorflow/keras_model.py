@@ -48,8 +48,8 @@ class PrivateModel(keras.Model):
     """``model`` trained with the Gaussian sum queries of ``aggregator`` (tensorflow backend,
     mechanism leaves = the model's variable paths). ``mode`` picks the per-example norms
     (``"auto"``: ghost or materialised per layer by cost; ``"vectorized"``);
-    ``check_independence`` checks on the first batch that the model keeps its examples apart
-    (:mod:`.independence`)."""
+    ``check_independence`` checks on the first two batches that the model keeps its examples
+    apart (:mod:`.independence`)."""
 
     def __init__(self, model: keras.Model, aggregator: PrivateAggregator, *,
                  mode: str = "auto", check_independence: bool = True, **kwargs):
@@ -203,8 +203,8 @@ def make_private(model: keras.Model, *, n: int, batch_size: float | None = None,
     """A :class:`PrivateModel` around a built ``model``, for ``n`` records sampled at rate
     ``q`` (or ``batch_size / n``: the expected batch size). ``ledger`` is a path or a
     :class:`dpcore.Ledger`; ``seed`` fixes sampling and noise (tests only); ``clip_schedule``
-    is a dpcore clip schedule. ``check_independence`` (default) checks on the first batch that
-    the model keeps its examples apart, and raises
+    is a dpcore clip schedule. ``check_independence`` (default) checks on the first two batches
+    that the model keeps its examples apart, and raises
     :class:`~dpcore_tensorflow.independence.NotPerExampleError` if it does not."""
     if (q is None) == (batch_size is None):
         raise ValueError("give exactly one of q (sampling rate) and batch_size (expected "

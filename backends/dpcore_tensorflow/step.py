@@ -72,8 +72,8 @@ class PrivateGradients:
         optimizer.apply(grads, model.trainable_variables)
 
     ``mode`` chooses the norms (:class:`~.bookkeeping.ClippedGradients`); ``jit_compile`` runs
-    the step under XLA. ``check_independence`` (default) checks on the first batch that the
-    model keeps its examples apart (:mod:`.independence`), raising
+    the step under XLA. ``check_independence`` (default) checks on the first two batches that
+    the model keeps its examples apart (:mod:`.independence`), raising
     :class:`~.independence.NotPerExampleError` before anything is recorded if it does not.
     """
 
@@ -98,7 +98,7 @@ class PrivateGradients:
 
     def check(self, x, y, mask=None) -> None:
         """Eagerly, on the batch of the step about to run: until the model has been found to
-        keep its examples apart (on a batch of two real records or more), check it, raising
+        keep its examples apart (on two batches of two real records or more), check it, raising
         :class:`~.independence.NotPerExampleError` if it mixes them. A loop that runs
         :meth:`graph_step` in its own ``tf.function`` calls this before :meth:`record_step`."""
         if self.independence is not None:
@@ -112,9 +112,9 @@ class PrivateGradients:
         if self.independence is not None and not (self.independence.done or self._checked):
             raise RuntimeError(
                 "the model has not yet been checked for mixing of the examples: call "
-                "check(x, y, mask) on the step's batch before record_step() (until a batch "
-                "of two real records or more has been checked), or build PrivateGradients "
-                "with check_independence=False")
+                "check(x, y, mask) on the step's batch before record_step() (until two "
+                "batches of two real records or more have been checked), or build "
+                "PrivateGradients with check_independence=False")
         self._checked = False
         agg = self.aggregator
         if agg.count_groups:
