@@ -66,6 +66,7 @@ import dataclasses
 import warnings
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten
 
 from .draws import unobserved
@@ -103,9 +104,13 @@ def _probing():
 
 
 def _leaves(out) -> list:
-    """The leaves of ``out``, dataclasses (a model's output class) opened."""
+    """The leaves of ``out``, dataclasses (a model's output class) opened; a PackedSequence
+    left out (its rows are time steps, and its sorting indices a permutation of the batch,
+    not rows of examples)."""
     leaves = []
-    for leaf in tree_flatten(out)[0]:
+    for leaf in tree_flatten(out, is_leaf=lambda o: isinstance(o, PackedSequence))[0]:
+        if isinstance(leaf, PackedSequence):
+            continue
         if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
             leaves += _leaves([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
         else:

@@ -688,3 +688,36 @@ def test_a_pass_that_changes_parameters_in_place_is_reported_unchecked():
     model = Clamped()
     with pytest.warns(UserWarning, match="changes parameters in place"):
         first_step(model, PerExampleEngine(model), torch.randn(6, 5))
+
+
+class Packed(nn.Module):
+    """An LSTM over sequences packed by length: the PackedSequence's sorting indices are a
+    permutation of the batch, not rows of examples."""
+
+    def __init__(self, form="none"):
+        super().__init__()
+        self.form = form
+        self.table, self.head = nn.Embedding(20, 8), nn.Linear(8, 3)
+        self.rnn = nn.LSTM(8, 8, batch_first=True)
+
+    def forward(self, ids, lengths):
+        h = self.table(ids)
+        if self.form == "detached batch mean":
+            h = h - h.mean(0).detach()
+        packed = nn.utils.rnn.pack_padded_sequence(h, lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        return self.head(self.rnn(packed)[1][0][-1])
+
+
+@pytest.mark.parametrize("form", ["none", "detached batch mean"])
+def test_packed_sequences_sorted_by_length_are_checked(form):
+    torch.manual_seed(0)
+    model = Packed(form)
+    engine = PerExampleEngine(model)
+    inputs = torch.randint(0, 20, (8, 6)), torch.randint(1, 7, (8,))
+    if form == "none":
+        first_step(model, engine, *inputs)
+        assert engine._probe.checked == 1
+    else:
+        with pytest.raises(NotPerExampleError, match="mixes the examples"):
+            first_step(model, engine, *inputs)
