@@ -47,6 +47,8 @@ and mixing that only later batches or weights trigger.
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import tensorflow as tf
 
@@ -108,6 +110,7 @@ class IndependenceCheck:
     def __init__(self, engine: ClippedGradients, loss_fn):
         self.engine, self.loss_fn = engine, loss_fn
         self.checked = 0  # batches checked
+        self._checked_at = None  # the weights' hashes at the last check
         self._what: list[str] = []  # what each row statistic describes (set when traced)
         # traced as Keras traces a train step (no autograph, faster), or converted by
         # autograph, as PrivateGradients's step is, if the model or loss needs it
@@ -154,10 +157,16 @@ class IndependenceCheck:
         batch = int(tf.shape(tf.nest.flatten(x)[0])[0])
         mask = (np.ones(batch, bool) if mask is None
                 else np.asarray(tf.cast(mask, tf.bool)).reshape(batch))
-        if mask.sum() >= 2:
+        if mask.sum() >= 2 and self._weights() != self._checked_at:
             self._check(x, y, mask, batch)
             self.checked += 1
+            self._checked_at = self._weights()
         return self.done
+
+    def _weights(self) -> list[bytes]:
+        """The trainable variables' values, hashed: the second check waits for them to move
+        (a step whose update was not applied leaves them as they were)."""
+        return [hashlib.sha1(v.numpy().tobytes()).digest() for v in self.engine.variables]
 
     def _check(self, x, y, mask, batch) -> None:
         rng = np.random.default_rng(batch)

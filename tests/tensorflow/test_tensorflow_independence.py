@@ -274,8 +274,9 @@ def test_examples_with_vanishing_gradients_pass():
     head = model.layers[-1]
     head.kernel.assign(head.kernel * 60.0)
     dp, _ = private(model)
-    dp(*data(64))
-    dp(*data(64, seed=1))
+    optimizer = keras.optimizers.SGD(0.01)
+    for seed in range(2):
+        optimizer.apply(dp(*data(64, seed=seed)), model.trainable_variables)
     assert dp.independence.done
 
 
@@ -305,9 +306,11 @@ def test_a_step_in_a_users_function_must_be_checked_first():
     with pytest.raises(RuntimeError, match=r"check\(x, y, mask\)"):
         dp.record_step()
     assert agg.ledger.events == ()
-    for _ in range(2):  # checked once; later steps need no check
+    optimizer = keras.optimizers.SGD(0.1)
+    for _ in range(2):  # checked twice; later steps need no check
         dp.check(x, y, mask)
-        step(x, y, mask, *map(tf.constant, dp.record_step()))
+        grads = step(x, y, mask, *map(tf.constant, dp.record_step()))[0]
+        optimizer.apply(grads, model.trainable_variables)
     dp.record_step()
     assert dp.independence.done
 
@@ -375,3 +378,14 @@ def test_inputs_that_cannot_be_scaled_are_replaced_by_copies():
     x[:, 0] = 2 + np.arange(8) % 2  # doubled: 4 or 6, out of range
     dp(x[:, :5], y)
     assert dp.independence.checked == 1
+
+
+def test_the_second_check_waits_for_the_weights_to_move():
+    dp, _ = private(mlp())
+    x, y = data(8)
+    dp(x, y)
+    dp(x, y)  # the update not applied: the same weights
+    assert dp.independence.checked == 1
+    keras.optimizers.SGD(0.5).apply(dp(x, y), dp.variables)
+    dp(x, y)
+    assert dp.independence.checked == 2
