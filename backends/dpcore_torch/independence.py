@@ -412,8 +412,7 @@ class Probe:
         b = self._batch
         order = torch.randperm(b, generator=self._rng).tolist()
         halves = [sorted(order[:(b + 1) // 2]), sorted(order[(b + 1) // 2:])]
-        inputs, found = zip(*[before.replaced(b, kept, kept[0], FACTORS[split])
-                              for kept in halves])
+        inputs, found = zip(*[before.replaced(b, kept, FACTORS[split]) for kept in halves])
         if split == 0:
             if not any(found):
                 warnings.warn(
@@ -430,17 +429,27 @@ class Probe:
             if replaced is None:
                 continue
             try:
-                self._rerun(module, before, first, replaced, kept, gradients=split == 0,
-                            factor=FACTORS[split])
-            except NotPerExampleError:
-                raise
-            except Exception:  # scaled inputs the model refuses (indices kept in floats)
-                if FACTORS[split] == 1:
+                try:
+                    self._rerun(module, before, first, replaced, kept, gradients=split == 0,
+                                factor=FACTORS[split])
+                except NotPerExampleError:
                     raise
-                copies = before.replaced(b, kept, kept[0])[0]
-                if copies is not None:
+                except Exception:  # scaled inputs the model refuses (indices kept in floats)
+                    copies = before.replaced(b, kept)[0]
+                    if FACTORS[split] == 1 or copies is None:
+                        raise
                     self._rerun(module, before, first, copies, kept, gradients=False,
                                 factor=1.0)
+            except NotPerExampleError:
+                raise
+            except Exception as error:  # the model refuses copies of its own rows
+                warnings.warn(
+                    f"dpcore could check only the gradients of {type(module).__name__} for "
+                    f"mixing of the examples, not its forward pass: it raised "
+                    f"{type(error).__name__} ({str(error)[:200]}) on the batch with some "
+                    f"examples replaced by copies of others. Make sure nothing in the model "
+                    f"computes statistics of the batch", stacklevel=5)
+                return False
         return True
 
     @contextlib.contextmanager
@@ -479,7 +488,9 @@ class Probe:
                     f"{replacement} one of them)")
             if first.course != again.course:
                 raise self._error(f"the forward pass took another course (other layer calls "
-                                  f"or shapes) {when}")
+                                  f"or shapes) {when}; if a shape follows the batch (padding "
+                                  f"to its longest sequence), pad to a fixed length, e.g. "
+                                  f"pad_packed_sequence(..., total_length=T)")
             self._compare(first.inputs, again.inputs, inputs, kept, when, "the input of",
                           " (the first layer input to change)")
             self._compare(first.layers, again.layers, layers, kept, when, "the output of",

@@ -50,6 +50,18 @@ def _rebuilt(obj, fn, b=None):
     return obj
 
 
+def _nearest(b: int, kept) -> torch.Tensor:
+    """(b,) for each row, itself if kept, else the nearest kept row before it (the first
+    kept row for the rows before it)."""
+    chosen = set(kept)
+    source, last = torch.arange(b), min(chosen)
+    for i in range(b):
+        if i in chosen:
+            last = i
+        source[i] = last
+    return source
+
+
 def _same(a, c) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(c, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(c, torch.Tensor)
@@ -78,28 +90,31 @@ class Snapshot:
         say): the rerun could not start from the same parameters."""
         return any(p._version != self.versions.get(id(p)) for p in module.parameters())
 
-    def replaced(self, b: int, kept, source: int, factor: float = 1.0):
+    def replaced(self, b: int, kept, factor: float = 1.0):
         """((args, kwargs) with every row outside ``kept`` of every input of b rows (a tensor
-        with b rows, a list of b texts or sequences) given row ``source``'s values (times
-        ``factor`` in floating tensors), or None if that changes nothing; whether there is
-        such an input)."""
+        with b rows, a list of b texts or sequences) given the values of the nearest row of
+        ``kept`` before it (after it, for rows before the first; so inputs sorted by length
+        stay sorted), times ``factor`` in floating tensors; or None if that changes nothing;
+        whether there is such an input). A square (b, b) floating or bool matrix is left as it
+        is: with as many examples as positions it may be a mask the examples share."""
         changed = found = False
-        others = torch.ones(b, dtype=torch.bool)
-        others[kept] = False
+        source = _nearest(b, kept)
+        moved = source != torch.arange(b)
 
         def replace(t):
             nonlocal changed, found
             found = found or isinstance(t, list) or (t.dim() > 0 and t.shape[0] == b)
             if isinstance(t, list):
-                new = [t[source] if others[i] else row for i, row in enumerate(t)]
+                new = [t[j] for j in source.tolist()]
                 changed = changed or not all(_same(a, c) for a, c in zip(new, t))
                 return new
-            if t.dim() == 0 or t.shape[0] != b:
+            if t.dim() == 0 or t.shape[0] != b or (
+                    t.shape == (b, b) and (t.is_floating_point() or t.dtype == torch.bool)):
                 return t
             with torch.no_grad():
-                new = t.detach().clone()
-                row = t[source] * factor if t.is_floating_point() else t[source]
-                new[others.to(t.device)] = row
+                new = t.detach()[source.to(t.device)].clone()
+                if factor != 1 and t.is_floating_point():
+                    new[moved.to(t.device)] *= factor
             changed = changed or not torch.equal(new, t)
             return new.requires_grad_(t.requires_grad)
 

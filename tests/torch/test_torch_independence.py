@@ -721,3 +721,57 @@ def test_packed_sequences_sorted_by_length_are_checked(form):
     else:
         with pytest.raises(NotPerExampleError, match="mixes the examples"):
             first_step(model, engine, *inputs)
+
+
+class SortedPacked(Packed):
+    """Sequences sorted by length, packed with enforce_sorted=True: replaced rows take the
+    nearest kept row before them, so the lengths stay sorted."""
+
+    def forward(self, ids, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(self.table(ids), lengths, batch_first=True)
+        return self.head(self.rnn(packed)[1][0][-1])
+
+
+class SharedMask(nn.Module):
+    """A (T, T) causal mask passed beside the batch: with B = T it is not a batch of rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+    def forward(self, x, mask):
+        return self.layer(x, src_mask=mask).mean(1)
+
+
+def test_sorted_packed_sequences_and_a_shared_square_mask_pass():
+    torch.manual_seed(0)
+    model = SortedPacked()
+    engine = PerExampleEngine(model)
+    first_step(model, engine, torch.randint(0, 20, (8, 6)),
+               torch.arange(8, 0, -1).clamp(max=6))
+    assert engine._probe.checked == 1
+    model = SharedMask()
+    engine = PerExampleEngine(model)
+    mask = nn.Transformer.generate_square_subsequent_mask(6)
+    first_step(model, engine, torch.randn(6, 6, 8), mask)
+    assert engine._probe.checked == 1
+
+
+class Validating(nn.Module):
+    """Raises on a batch whose first example is repeated (as the rerun's copies make it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(5, 3)
+
+    def forward(self, x):
+        if x.shape[0] > 1 and bool((x[1:] == x[:1]).all(1).any()):
+            raise ValueError("duplicate example")
+        return self.layer(x)
+
+
+def test_a_model_that_refuses_the_reruns_inputs_is_reported_unchecked():
+    torch.manual_seed(0)
+    model = Validating()
+    with pytest.warns(UserWarning, match="raised ValueError"):
+        first_step(model, PerExampleEngine(model), torch.randn(6, 5))
