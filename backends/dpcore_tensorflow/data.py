@@ -42,19 +42,22 @@ def padded(arrays: Sequence[np.ndarray], indices: np.ndarray, capacity: int):
     return (*out, mask)
 
 
-def poisson_dataset(x: np.ndarray, y: np.ndarray, *, q: float | None = None, steps: int,
+def poisson_dataset(x, y: np.ndarray, *, q: float | None = None, steps: int,
                     sampler: PoissonSampler | None = None, seed=None,
                     capacity: int | None = None) -> tf.data.Dataset:
-    """``steps`` Poisson samples of the records (x[i], y[i]) as ``(x, y, mask)`` batches.
+    """``steps`` Poisson samples of the records (x[i], y[i]) as ``(x, y, mask)`` batches; ``x``
+    an array or a structure of arrays (a dict for a model with several inputs).
 
     Give ``q`` (and optionally ``seed``), or a ``sampler`` (e.g. ``aggregator.sampler``, so the
     aggregator's seed drives sampling too). Keras's ``fit`` reads the mask as the sample
     weight slot; the private model uses it as the padding mask.
     """
-    x, y = np.asarray(x), np.asarray(y)
-    n = check.count("number of records", len(x), minimum=1)
-    if len(y) != n:
-        raise ValueError(f"x has {n} records and y has {len(y)}; they must match")
+    x, y = tf.nest.map_structure(np.asarray, x), np.asarray(y)
+    inputs = tf.nest.flatten(x)
+    n = check.count("number of records", len(inputs[0]), minimum=1)
+    if any(len(a) != n for a in inputs) or len(y) != n:
+        raise ValueError(f"x has {[len(a) for a in inputs]} records and y has {len(y)}; "
+                         f"they must match")
     if sampler is None:
         if q is None:
             raise ValueError("give the sampling rate q or a sampler")
@@ -68,10 +71,12 @@ def poisson_dataset(x: np.ndarray, y: np.ndarray, *, q: float | None = None, ste
 
     def samples():
         for _ in range(steps):
-            yield padded((x, y), sampler.sample(), capacity)
+            *rows, labels, mask = padded((*inputs, y), sampler.sample(), capacity)
+            yield tf.nest.pack_sequence_as(x, rows), labels, mask
 
-    signature = (tf.TensorSpec((None, *x.shape[1:]), tf.as_dtype(x.dtype)),
-                 tf.TensorSpec((None, *y.shape[1:]), tf.as_dtype(y.dtype)),
-                 tf.TensorSpec((None,), tf.bool))
+    def spec(a):
+        return tf.TensorSpec((None, *a.shape[1:]), tf.as_dtype(a.dtype))
+
+    signature = (tf.nest.map_structure(spec, x), spec(y), tf.TensorSpec((None,), tf.bool))
     dataset = tf.data.Dataset.from_generator(samples, output_signature=signature)
     return dataset.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)

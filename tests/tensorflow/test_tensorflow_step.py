@@ -332,3 +332,22 @@ def test_masked_positions_are_left_out_of_each_example_loss(mode):
             w += tf.convert_to_tensor(g).numpy()
     for g, w in zip(grads, want):
         np.testing.assert_allclose(g.numpy(), w / agg.expected_size, rtol=1e-4, atol=1e-7)
+
+
+def test_fit_takes_a_dict_of_inputs():
+    """A model with two named inputs: each Poisson sample takes the same rows of both."""
+    keras.utils.set_random_seed(0)
+    a, b = keras.Input((3,), name="a"), keras.Input((2,), name="b")
+    model = keras.Model({"a": a, "b": b}, L.Dense(3)(L.Concatenate()([a, b])))
+    rng = np.random.default_rng(0)
+    x = {"a": rng.normal(size=(50, 3)).astype("float32"),
+         "b": rng.normal(size=(50, 2)).astype("float32")}
+    y = rng.integers(0, 3, 50)
+    for xb, yb, mask in poisson_dataset(x, y, q=0.2, steps=3, seed=0):
+        rows = [int(np.flatnonzero((x["a"] == r).all(1))[0]) for r in xb["a"].numpy()[mask]]
+        np.testing.assert_array_equal(xb["b"].numpy()[mask], x["b"][rows])
+        np.testing.assert_array_equal(yb.numpy()[mask], y[rows])
+    private = make_private(model, n=50, batch_size=10, seed=0)
+    private.compile(optimizer="sgd", loss=CE)
+    private.fit(x, y, epochs=1, steps_per_epoch=3, verbose=0)
+    assert private.aggregator.ledger.steps() == [dpcore.Step(0.2, 1.0, 3)]
