@@ -311,7 +311,8 @@ class PerExampleEngine:
         if len(sizes) > 1:
             raise ValueError(f"the layers saw batches of different sizes {sorted(sizes)} in one "
                              f"step; dpcore needs every layer's input to have the examples on "
-                             f"axis 0 (batch_first=True)")
+                             f"axis 0 (batch_first=True; an nn.EmbeddingBag takes a padded "
+                             f"(B, T) tensor with padding_idx, not 1-D tokens with offsets)")
         return contributions, (sizes.pop() if sizes else 0)
 
     def _scale(self, batch: int) -> float:

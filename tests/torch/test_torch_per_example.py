@@ -338,6 +338,23 @@ def test_batch_second_attention_is_refused():
         PerExampleEngine(nn.MultiheadAttention(4, 2))
 
 
+class Bagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag, self.head = nn.EmbeddingBag(20, 4), nn.Linear(4, 3)
+
+    def forward(self, tokens, offsets):
+        return self.head(self.bag(tokens, offsets))
+
+
+def test_an_embedding_bag_on_tokens_with_offsets_is_refused_with_the_fix():
+    model = Bagged()
+    engine = PerExampleEngine(model)
+    model(torch.randint(0, 20, (12,)), torch.tensor([0, 5, 9])).sum().backward()
+    with pytest.raises(ValueError, match=r"EmbeddingBag takes a padded \(B, T\) tensor"):
+        engine.per_example_grads()
+
+
 def test_functional_use_of_an_instrumented_weight_is_an_error():
     class Functional(nn.Module):
         def __init__(self):
