@@ -13,8 +13,9 @@ or a layer applied to B rows that are not the examples, breaks this: each exampl
 "gradient" would carry other records' data, and clipping would not bound any one record's
 influence.
 
-Rows are compared through statistics: per row of a tensor, its projection on a fixed
-pseudo-random direction and its norm (float64). The check has two parts:
+Rows are compared through statistics (:mod:`dpcore_torch.row_statistics`): per row of a
+tensor, its projection on a fixed pseudo-random direction and its norm (float64). The check
+has two parts:
 
 1. *Backward*, at the end of the pass. With u(v) = J^T v the gradient that a cotangent v on
    the model's outputs sends to a layer's output, the model keeps the examples apart iff
@@ -46,7 +47,7 @@ pseudo-random direction and its norm (float64). The check has two parts:
    would read this batch's records (a running mean read before its update); a statistic
    that no pass reads passes.
 
-Rows whose norm is below FLOOR of the largest are compared against it (gradients that
+Rows whose norm is below row_statistics.FLOOR of the largest are compared against it (gradients that
 underflow); float16 tensors to float16's precision (gradients scaled by 2^-8 reach its
 subnormals).
 
@@ -62,14 +63,14 @@ mixing that only later batches or weights trigger.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 
 import torch
-from torch.nn.utils.rnn import PackedSequence
-from torch.utils._pytree import tree_flatten
 
 from .draws import unobserved
+from .row_statistics import (PassStatistics, batch_tensors, changed_buffers, deviating,
+                             has_reentrant_checkpoint, row_statistics, tensor_leaves,
+                             tolerance_for)
 from .snapshot import Snapshot, buffers
 
 BACKWARD_TOLERANCE = 1e-6
@@ -78,9 +79,6 @@ SCALINGS = 2  # scaled backward passes; factors 2^e, e uniform in -8..8
 SPLITS = 4  # random splits of the batch into halves for the rerun
 FACTORS = (1.0, 2.0, -1.0, 0.5)  # per split: the replaced rows' floating inputs, source times
 BATCHES = 2  # checked passes: the first, and the next with the weights the first step moved
-FLOOR = 1e-6  # rows with norms below this fraction of the largest are compared to it
-_ROOT_SEEDS = 1 << 20  # the model's outputs' directions (a layer's output's: its index)
-_INPUT_SEEDS = 1 << 21  # the layers' inputs' directions
 _active = False
 
 
@@ -103,103 +101,6 @@ def _probing():
         _active = previous
 
 
-def _leaves(out) -> list:
-    """The leaves of ``out``, dataclasses (a model's output class) opened; a PackedSequence
-    left out (its rows are time steps, and its sorting indices a permutation of the batch,
-    not rows of examples)."""
-    leaves = []
-    for leaf in tree_flatten(out, is_leaf=lambda o: isinstance(o, PackedSequence))[0]:
-        if isinstance(leaf, PackedSequence):
-            continue
-        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-            leaves += _leaves([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
-        else:
-            leaves.append(leaf)
-    return leaves
-
-
-def _batch_tensors(out, b: int) -> list[torch.Tensor]:
-    """The floating-point tensors of ``out`` with gradients and the b examples on axis 0."""
-    return [t for t in _leaves(out)
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
-            and t.dim() > 0 and t.shape[0] == b]
-
-
-def _has_reentrant_checkpoint(roots) -> bool:
-    """Whether the graph holds a reentrant ``torch.utils.checkpoint`` (which refuses
-    ``torch.autograd.grad``)."""
-    seen, stack = set(), [t.grad_fn for t in roots if t.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "CheckpointFunctionBackward":
-            return True
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return False
-
-
-def row_statistics(t: torch.Tensor, seed: int) -> torch.Tensor:
-    """(B, 2) float64: each row's projection on a fixed pseudo-random direction (``seed``)
-    and its norm. Scaling a row by a power of two scales both exactly."""
-    flat = t.detach().reshape(t.shape[0], -1).double()
-    direction = torch.randn(flat.shape[1], generator=torch.Generator().manual_seed(seed),
-                            dtype=torch.float64).to(flat.device)
-    return torch.stack([flat @ direction, flat.norm(dim=1)], 1).cpu()
-
-
-def _deviating(got, want, tolerance: float):
-    """Rows where statistics ``got`` differ from ``want`` (B, 2) by more than ``tolerance``
-    of the row's norm, raised to FLOOR of the largest (rows near zero underflow); a NaN where
-    the other has none differs; (rows, worst, its norm)."""
-    both_nan = got.isnan() & want.isnan()
-    deviation = torch.where(both_nan | (got == want), 0, (got - want).abs()).amax(1)
-    norms = want[:, 1].nan_to_num(0)
-    norms = norms.clamp(min=FLOOR * float(norms.max())) if norms.numel() else norms
-    bad = ~(deviation <= tolerance * norms)
-    if not bool(bad.any()):
-        return None
-    worst = int(torch.where(bad, deviation.nan_to_num(float("inf")), -1).argmax())
-    return bad.nonzero()[:, 0].tolist(), float(deviation[worst]), float(norms[worst])
-
-
-def _changed_buffers(left: dict, after: dict) -> list:
-    """The keys of the buffers in ``after`` that differ from ``left``'s at all (reruns from
-    one snapshot repeat bit for bit on the CPU; a count beside a mean must not hide it)."""
-    changed = []
-    for key, got in after.items():
-        want = left.get(key)
-        if got is None or want is None:
-            continue
-        if got.shape != want.shape or not (
-                torch.equal(got, want) or got.is_floating_point()
-                and torch.allclose(got, want, rtol=0, atol=0, equal_nan=True)):
-            changed.append(key)
-    return changed
-
-
-def _tolerance(tolerance: float, t: torch.Tensor) -> float:
-    """``tolerance``, or float16's precision for its tensors (its narrow range: gradients
-    scaled by 2^-8 fall into its subnormals)."""
-    return max(tolerance, torch.finfo(torch.float16).eps) if t.dtype == torch.float16 \
-        else tolerance
-
-
-class _Pass:
-    """What a pass gave: its course (which units had inputs and outputs of which shapes) and
-    the row statistics of the layers' inputs and outputs and of the model's outputs (not the
-    tensors, which the first pass must not keep alive until the rerun)."""
-
-    def __init__(self, roots, layers, inputs):
-        self.course = ([(id(unit), t.shape) for unit, t in layers], [t.shape for t in roots],
-                       [(id(unit), t.shape, t.dtype) for unit, t in inputs])
-        self.inputs = [row_statistics(t, _INPUT_SEEDS + k) for k, (_, t) in enumerate(inputs)]
-        self.layers = [row_statistics(t, k) for k, (_, t) in enumerate(layers)]
-        self.roots = [row_statistics(t, _ROOT_SEEDS + k) for k, t in enumerate(roots)]
-        self.grads = None  # u(v) at the layers' outputs
-
-
 class Probe:
     """Waits on the engine's model for a forward pass with gradients and a batch of at least
     two examples, and checks that one (see the module docstring). ``units`` and ``leaves``
@@ -215,7 +116,7 @@ class Probe:
         self._hooks: list = []
         self._counts: dict[int, int] = {}
         self._before: Snapshot | None = None
-        self._first: _Pass | None = None
+        self._first: PassStatistics | None = None
         self._batch = 0
         self._cotangents: list = []
         self._rerun_output = None
@@ -271,10 +172,11 @@ class Probe:
         tensor, what its per-example gradient reads) with the b examples on axis 0."""
         captured, self._captured = self._captured, []
         root = next((unit for unit in self.units if unit.module is module), None)
-        roots = _batch_tensors(output if root is None else root.batch_outputs(output), b)
+        roots = batch_tensors(output if root is None else root.batch_outputs(output), b)
         layers = [(unit, t) for unit, _, _, out in captured
-                  for t in _batch_tensors(unit.batch_outputs(out), b)]
-        inputs = [(unit, t) for unit, args, kwargs, _ in captured for t in _leaves((args, kwargs))
+                  for t in batch_tensors(unit.batch_outputs(out), b)]
+        inputs = [(unit, t) for unit, args, kwargs, _ in captured
+                  for t in tensor_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == b]
         return roots, layers, inputs
 
@@ -311,7 +213,7 @@ class Probe:
                 f"on axis 0 (a model that returns only its loss, say). Make sure nothing in "
                 f"the model mixes examples (statistics of the batch)", stacklevel=3)
             return
-        if _has_reentrant_checkpoint(roots):
+        if has_reentrant_checkpoint(roots):
             return
         self._batch = b
         self._cotangents = [torch.randn(t.shape, generator=self._rng, dtype=t.dtype).to(t.device)
@@ -337,8 +239,8 @@ class Probe:
             mixed = None
             for (unit, t), got, want in zip(layers, scaled, grads):  # the last: nearest
                 if got is not None and want is not None:
-                    found = _deviating(got, want * scale[:, None],
-                                       _tolerance(BACKWARD_TOLERANCE, t))
+                    found = deviating(got, want * scale[:, None],
+                                       tolerance_for(BACKWARD_TOLERANCE, t))
                     if found is not None:
                         mixed = unit, found
             if mixed is not None:
@@ -349,7 +251,7 @@ class Probe:
                     f"model's outputs: rows {rows[:8]} of {b} receive gradient from other "
                     f"rows (by {deviation:.3g}, against {norm:.3g}); something after that "
                     f"layer moves gradient between examples")
-        self._first = _Pass(roots, layers, inputs)
+        self._first = PassStatistics(roots, layers, inputs)
         self._first.grads = grads
         self.state = "pending"
 
@@ -406,7 +308,7 @@ class Probe:
         finally:
             self._cotangents, self._left = [], None
 
-    def _rerun_split(self, module, before: Snapshot, first: _Pass, split: int) -> bool:
+    def _rerun_split(self, module, before: Snapshot, first: PassStatistics, split: int) -> bool:
         """The reruns of one random split of the batch into halves (the gradients compared
         in the first split only); whether there is something to replace."""
         b = self._batch
@@ -455,7 +357,7 @@ class Probe:
     @contextlib.contextmanager
     def _again(self, module, before: Snapshot, inputs, start: dict | None = None):
         """Run the pass again on ``inputs`` (args, kwargs) from ``before`` (its buffers
-        ``start`` if given); yields (_Pass, roots, layers, inputs, the buffers it leaves)
+        ``start`` if given); yields (PassStatistics, roots, layers, inputs, the buffers it leaves)
         while its graph lives. Nothing it records stays."""
         args, kwargs = inputs
         self.state = "rerun"
@@ -468,7 +370,7 @@ class Probe:
                     self._remove()
                 output, self._rerun_output = self._rerun_output, None
                 roots, layers, found = self._outputs(module, output, self._batch)
-                yield _Pass(roots, layers, found), roots, layers, found, buffers(module)
+                yield PassStatistics(roots, layers, found), roots, layers, found, buffers(module)
         finally:
             self.state = "done"
             for unit in self.units:  # the rerun's calls: not part of any step
@@ -476,7 +378,7 @@ class Probe:
                 for call in new:
                     call.release()
 
-    def _rerun(self, module, before: Snapshot, first: _Pass, replaced, kept, *,
+    def _rerun(self, module, before: Snapshot, first: PassStatistics, replaced, kept, *,
                gradients: bool, factor: float) -> None:
         """Run the pass again with the ``replaced`` (args, kwargs); the rows ``kept`` must
         not change. Keep the first buffers a rerun leaves otherwise than the pass."""
@@ -501,7 +403,7 @@ class Probe:
                 self._compare(first.grads, self._backprops(roots, layers, retain=False),
                               layers, kept, when, "the gradient reaching the output of",
                               " (the last to change)", last=True)
-            changed = _changed_buffers(left, after)
+            changed = changed_buffers(left, after)
             if changed and self._left is None:
                 self._left = (left, {key: t.clone() for key, t in after.items()
                                      if t is not None}, changed)
@@ -538,9 +440,9 @@ class Probe:
         for want, got, (unit, t) in zip(first, second, entries):
             if want is None or got is None:
                 continue
-            tolerance = _tolerance(RERUN_TOLERANCE, t) if t.device.type == "cpu" else max(
+            tolerance = tolerance_for(RERUN_TOLERANCE, t) if t.device.type == "cpu" else max(
                 RERUN_TOLERANCE, 2 * torch.finfo(t.dtype).eps)
-            found = _deviating(got[kept], want[kept], tolerance)
+            found = deviating(got[kept], want[kept], tolerance)
             if found is not None:
                 changed = unit, found
                 if not last:
