@@ -157,10 +157,12 @@ class IndependenceCheck:
         batch = int(tf.shape(tf.nest.flatten(x)[0])[0])
         mask = (np.ones(batch, bool) if mask is None
                 else np.asarray(tf.cast(mask, tf.bool)).reshape(batch))
-        if mask.sum() >= 2 and self._weights() != self._checked_at:
+        if mask.sum() < 2:
+            return False
+        weights = self._weights()
+        if weights != self._checked_at:  # the check leaves the weights as they are
             self._check(x, y, mask, batch)
-            self.checked += 1
-            self._checked_at = self._weights()
+            self.checked, self._checked_at = self.checked + 1, weights
         return self.done
 
     def _weights(self) -> list[bytes]:

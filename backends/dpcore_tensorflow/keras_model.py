@@ -116,7 +116,7 @@ class PrivateModel(keras.Model):
 
         def train_function(iterator):
             if dp.independence is not None and not dp.independence.done:
-                iterator = _checked(dp, iterator)
+                iterator = _check_next_batch(dp, iterator)
             inputs = dp.record_step()  # ledger first
             if inputs != state.assigned:  # clips or noise moved (or first step)
                 state.clips.assign(inputs[0])
@@ -160,7 +160,7 @@ class PrivateModel(keras.Model):
                            **kwargs)
 
 
-def _checked(dp: PrivateGradients, iterator):
+def _check_next_batch(dp: PrivateGradients, iterator):
     """Check the next batch of ``iterator`` for mixing of the examples (:meth:`PrivateGradients.
     check`); an iterator over that one batch, of the same element type (the compiled step
     is not traced again)."""

@@ -136,8 +136,8 @@ class PerExampleEngine:
     ``mode="auto"`` uses the layer rules and falls back to ``torch.func`` per module;
     ``mode="vmap"`` treats the whole model as one ``torch.func`` unit. ``prefer`` ("memory" or
     "time") chooses between ghost norms and materialised gradients per layer
-    (:func:`dpcore_torch.layers.use_ghost`). ``check_independence`` probes the first training
-    forward pass of ``module`` for mixing of the examples (:mod:`dpcore_torch.independence`;
+    (:func:`dpcore_torch.layers.use_ghost`). ``check_independence`` probes the first two training
+    forward passes of ``module`` for mixing of the examples (:mod:`dpcore_torch.independence`;
     in ``"auto"`` mode, where the layers' backprops are used). Call :meth:`clear` (the
     private optimizer does) between steps, :meth:`detach` to restore the module.
     """

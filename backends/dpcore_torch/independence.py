@@ -101,6 +101,13 @@ def _probing():
         _active = previous
 
 
+def _forward_unchecked(module, reason: str, stacklevel: int) -> None:
+    """Warn that the check of ``module`` saw its gradients only, for ``reason``."""
+    warnings.warn(f"dpcore could check only the gradients of {type(module).__name__} for "
+                  f"mixing of the examples, not its forward pass: {reason}. Make sure nothing "
+                  f"in the model computes statistics of the batch", stacklevel=stacklevel + 1)
+
+
 class Probe:
     """Waits on the engine's model for a forward pass with gradients and a batch of at least
     two examples, and checks that one (see the module docstring). ``units`` and ``leaves``
@@ -240,7 +247,7 @@ class Probe:
             for (unit, t), got, want in zip(layers, scaled, grads):  # the last: nearest
                 if got is not None and want is not None:
                     found = deviating(got, want * scale[:, None],
-                                       tolerance_for(BACKWARD_TOLERANCE, t))
+                                      tolerance_for(BACKWARD_TOLERANCE, t))
                     if found is not None:
                         mixed = unit, found
             if mixed is not None:
@@ -290,12 +297,9 @@ class Probe:
         self.state = "done"
         try:
             if before.parameters_changed(module):
-                warnings.warn(
-                    f"dpcore could check only the gradients of {type(module).__name__} for "
-                    f"mixing of the examples, not its forward pass: the pass changes "
-                    f"parameters in place (a clamp, a data-dependent initialisation), so it "
-                    f"cannot be run again from where it began. Make sure nothing in the model "
-                    f"computes statistics of the batch", stacklevel=3)
+                _forward_unchecked(module, "the pass changes parameters in place (a clamp, a "
+                                   "data-dependent initialisation), so it cannot be run again "
+                                   "from where it began", stacklevel=3)
                 return
             self._left = None
             for split in range(SPLITS):
@@ -317,12 +321,9 @@ class Probe:
         inputs, found = zip(*[before.replaced(b, kept, FACTORS[split]) for kept in halves])
         if split == 0:
             if not any(found):
-                warnings.warn(
-                    f"dpcore could check only the gradients of {type(module).__name__} for "
-                    f"mixing of the examples, not its forward pass: none of its inputs is a "
-                    f"tensor or list with the batch's {b} examples on axis 0 (a time-major "
-                    f"tensor, or an object dpcore cannot rebuild, say). Make sure nothing in "
-                    f"the model computes statistics of the batch", stacklevel=5)
+                _forward_unchecked(module, f"none of its inputs is a tensor or list with the "
+                                   f"batch's {b} examples on axis 0 (a time-major tensor, or "
+                                   f"an object dpcore cannot rebuild, say)", stacklevel=5)
                 return False
             if all(i is None for i in inputs):  # the rows are all alike: the next pass
                 self.state = "waiting"
@@ -345,12 +346,9 @@ class Probe:
             except NotPerExampleError:
                 raise
             except Exception as error:  # the model refuses copies of its own rows
-                warnings.warn(
-                    f"dpcore could check only the gradients of {type(module).__name__} for "
-                    f"mixing of the examples, not its forward pass: it raised "
-                    f"{type(error).__name__} ({str(error)[:200]}) on the batch with some "
-                    f"examples replaced by copies of others. Make sure nothing in the model "
-                    f"computes statistics of the batch", stacklevel=5)
+                _forward_unchecked(module, f"it raised {type(error).__name__} "
+                                   f"({str(error)[:200]}) on the batch with some examples "
+                                   f"replaced by copies of others", stacklevel=5)
                 return False
         return True
 

@@ -69,10 +69,10 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     rule exists, ``torch.func`` elsewhere) or ``"vmap"`` (``torch.func`` for the whole model);
     ``prefer`` ("memory" or "time") picks ghost norms or materialised per-example gradients per
     layer (:func:`dpcore_torch.layers.use_ghost`). ``accountant`` calibrates ``target_epsilon``.
-    ``check_independence``: the model's first training forward pass raises
-    :class:`NotPerExampleError` if its backward pass mixes the examples of the batch
-    (:mod:`dpcore_torch.independence`); turn it off only for a model whose outputs do not have
-    the examples on axis 0.
+    ``check_independence``: the model's first two training steps raise
+    :class:`NotPerExampleError` if it mixes the examples of the batch
+    (:mod:`dpcore_torch.independence`); turn it off only for a model whose inputs or outputs
+    have rows that are not the examples.
 
     ``clip_policy`` makes the clip move: ``"adaptive"`` (adaptive quantile clipping with the
     paper's defaults, starting from ``max_grad_norm``; the noise multiplier is the total, count
