@@ -32,6 +32,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .call_buffers import CallBuffers
 from .draws import Recording, Replayer, ReplayMismatchError, alias, share, unobserved
 from .independence import probing
 from .instrumentation import instrumentation
@@ -67,14 +68,17 @@ def _replay():
 class Call:
     """One call of a fallback module: positional args, keyword args, the random draws made in
     it (:mod:`dpcore_torch.draws`) and where it lost track of its rows (:mod:`dpcore_torch.
-    rows`; ``draws`` is the pair), its taps, and the backprops of its floating-point tensor
-    outputs (None until the backward pass reaches them)."""
+    rows`; ``draws`` is the pair), the buffers it changed as they were before it and those it
+    changed that were not kept (:mod:`dpcore_torch.call_buffers`; ``buffers`` is the pair),
+    its taps, and the backprops of its floating-point tensor outputs (None until the backward
+    pass reaches them)."""
 
-    __slots__ = ("args", "kwargs", "draws", "lost", "taps", "outputs", "g", "cache", "born",
-                 "reached_at")
+    __slots__ = ("args", "kwargs", "draws", "lost", "start", "unkept", "taps", "outputs", "g",
+                 "cache", "born", "reached_at")
 
-    def __init__(self, args, kwargs, draws, taps, n_outputs):
+    def __init__(self, args, kwargs, draws, buffers, taps, n_outputs):
         (self.draws, self.lost), self.args, self.kwargs, self.taps = draws, args, kwargs, taps
+        self.start, self.unkept = buffers
         self.outputs = [None] * n_outputs  # copies of the outputs, checked by the replay
         self.g = [None] * n_outputs
         self.cache = None
@@ -83,6 +87,7 @@ class Call:
     def release(self) -> None:
         """Drop the tensors (output hooks may still hold this object)."""
         self.args, self.kwargs, self.draws, self.g, self.cache = (), {}, [], [], None
+        self.start = {}
         self.taps, self.outputs = None, []
 
     def keep_rows(self, keep) -> None:
@@ -175,6 +180,7 @@ class FallbackUnit:
         self._depth, self._removed = 0, False
         self._tapped = not recurse  # a subtree (mode="vmap", a built-in layer) is replayed
         self._compiled = getattr(module, "_compiled_call_impl", None)  # module.compile()
+        self._buffers = CallBuffers(module)
         record = instrumentation(module)
         if self._compiled is None:
             module._call_impl = self._call
@@ -232,6 +238,7 @@ class FallbackUnit:
         rows.share_all(stops.values())
         share(stops.values())  # to the enclosing units' calls too
         self._depth, draws = 1, []
+        versions, copies = self._buffers.before()
         try:
             with Recording(draws, rows, taps):
                 out = plain(*args, **kwargs)
@@ -239,9 +246,10 @@ class FallbackUnit:
             self._depth = 0
             for holder, attr, p in swapped:
                 holder._parameters[attr] = p
-        return self._record(args, kwargs, (draws, rows), taps, out)
+        buffers = self._buffers.after(versions, copies)
+        return self._record(args, kwargs, (draws, rows), buffers, taps, out)
 
-    def _record(self, args, kwargs, draws, taps, out):
+    def _record(self, args, kwargs, draws, buffers, taps, out):
         """Keep the call's inputs (as the caller passed them: the replay runs pre-hooks
         again) and hook its outputs (as every forward hook left them) for their backprops."""
         if not any(_batched(a) for a in args):
@@ -263,7 +271,7 @@ class FallbackUnit:
         floats = [i for i, t in enumerate(leaves) if _is_float(t)]
         rows.require([leaves[i] for i in floats if leaves[i].requires_grad])
         call = Call(tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
-                    kwargs, (draws, rows.lost), taps, len(floats))
+                    kwargs, (draws, rows.lost), buffers, taps, len(floats))
         copied = False
         with unobserved():  # dpcore's own hooks, not operations of an enclosing unit
             for k, i in enumerate(floats):
@@ -292,6 +300,14 @@ class FallbackUnit:
         bad = deviation > tol * torch.clamp(scale, min=floor) + 1e-30
         if bool(bad.any()):
             i = int(bad.nonzero()[0])
+            if call.unkept:
+                raise ValueError(
+                    f"{type(self.module).__name__}'s forward pass changed its buffers "
+                    f"{self._buffers.names(call.unkept)} in a call although no call before "
+                    f"had, so dpcore had not kept them to run the call again one example at a "
+                    f"time, and the replay's output for example {i} differs from the call's "
+                    f"(by {float(deviation[i]):.3g}, against {float(scale[i]):.3g}). dpcore "
+                    f"keeps them from now on; run the step again")
             raise ValueError(
                 f"{type(self.module).__name__}'s output for example {i} of the batch differs "
                 f"from its output for that example alone (by {float(deviation[i]):.3g}, "
@@ -342,15 +358,15 @@ class FallbackUnit:
                 f"input (batch_first=True)")
         module, args, name = self.module, list(call.args), type(self.module).__name__
 
-        def inner(p, tensors, split, backprops, index):
+        def inner(p, tensors, split, backprops, index, start):
             full = list(args)
             for i, t in zip(positions, tensors):
                 full[i] = t.unsqueeze(0)
             kwargs = {**call.kwargs, **{k: t.unsqueeze(0) for k, t in zip(keywords, split)}}
             draws = Replayer(call.draws, b, index, name, call.lost)
             with _replay(), draws if call.draws else nullcontext():
-                out = _float_tensors(functional_call(module, p, tuple(full), kwargs,
-                                                     tie_weights=False))
+                out = _float_tensors(functional_call(module, {**p, **start}, tuple(full),
+                                                     kwargs, tie_weights=False))
             if call.draws:
                 draws.check_done()
             deviation = scale = index.new_zeros((), dtype=dtype)
@@ -376,12 +392,16 @@ class FallbackUnit:
         split = [call.kwargs[k] for k in keywords]
         backprops = [None if g is None else cast_to(g, dtype) for g in call.g]
         dims = [None if g is None else 0 for g in call.g]
+        # the buffers the call changed (spectral_norm's u and v) as they were before it, in
+        # copies: the module's stay as the forward pass left them
+        start = self._buffers.by_name(call.start)
         with torch.no_grad(), warnings.catch_warnings():  # the result is data, no graph
             warnings.filterwarnings("ignore", "There is a performance drop")  # expected here
             try:
                 by_slot, (deviation, scale) = vmap(grad(inner, has_aux=True),
-                                                   in_dims=(None, 0, 0, dims, 0))(
-                    slots, tensors, split, backprops, torch.arange(b, device=tensors[0].device))
+                                                   in_dims=(None, 0, 0, dims, 0, None))(
+                    slots, tensors, split, backprops, torch.arange(b, device=tensors[0].device),
+                    start)
             except ReplayMismatchError:
                 raise
             except RuntimeError as error:

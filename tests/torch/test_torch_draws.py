@@ -137,7 +137,11 @@ def test_draws_of_the_forward_pass_are_replayed_per_example(name, mode, batch):
     (out ** 2).sum().backward()
     got = engine.per_example_grads()
     engine.detach()
-    assert torch.equal(out, plain)  # the same draws as PyTorch's own forward pass
+    # the same draws as PyTorch's own forward pass (the recurrent rule's matrix products may
+    # round otherwise than the fused kernel: on some CPUs, by an ulp; a mask would differ by
+    # whole values)
+    assert torch.equal(out == 0, plain == 0)
+    assert torch.allclose(out, plain, rtol=1e-12, atol=1e-15)
     expected = oracle(model, x)
     for n, e in expected.items():
         assert torch.allclose(got[n], e, rtol=1e-9, atol=1e-12), n

@@ -3,6 +3,7 @@ that back-propagates one example at a time through plain autograd."""
 
 import copy
 import math
+import types
 
 import numpy as np
 import pytest
@@ -867,6 +868,79 @@ def test_fallback_modules_nested_tied_or_hooked_match_the_oracle(name, mode):
         assert close(got[n], expected[n]), n
     if name == "clamped-with-hook":
         assert model[0].gate.max().item() == 1.2  # the constraint reached the parameter
+
+
+class Counted(nn.Module):
+    """A layer that counts its calls in a buffer and divides by the count."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, n) / n)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.calls += 1
+        return torch.tanh(x @ self.weight) / self.calls
+
+
+def stateful_model(form):
+    torch.manual_seed(15)
+    if form == "counted":
+        return nn.Sequential(Counted(5), nn.Linear(5, 3)).double()
+    spectral = (nn.utils.parametrizations.spectral_norm if form == "spectral-norm"
+                else nn.utils.spectral_norm)  # the hook-based form
+    return nn.Sequential(spectral(nn.Linear(5, 6).double()), nn.Tanh(),
+                         nn.Linear(6, 3).double())
+
+
+@pytest.mark.parametrize("mode", ["auto", "vmap"])
+@pytest.mark.parametrize("form", ["spectral-norm", "spectral-norm-hook", "counted"])
+def test_buffers_a_fallback_forward_updates_are_replayed_from_the_call(form, mode):
+    """Modules whose forward pass updates buffers from the weights alone (spectral_norm's
+    power iteration, a count of calls): per-example gradients equal the oracle's, each
+    example run alone from the buffers the batch started from, and the replay leaves the
+    buffers as the forward pass did (it does not update them a second time)."""
+    gen = torch.Generator().manual_seed(15)
+    x = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,), generator=gen)
+    model = stateful_model(form)
+    start = copy.deepcopy(model.state_dict())
+    expected = {n: [] for n, _ in model.named_parameters()}
+    for i in range(len(x)):
+        model.load_state_dict(start)
+        model.zero_grad()
+        F.cross_entropy(model(x[i:i + 1]), y[i:i + 1], reduction="sum").backward()
+        for n, p in model.named_parameters():
+            expected[n].append(p.grad.clone())
+    model.load_state_dict(start)
+    F.cross_entropy(model(x), y, reduction="sum")  # what one forward pass leaves
+    want = {k: t.clone() for k, t in model.state_dict().items()}
+    model = stateful_model(form)
+    engine = PerExampleEngine(model, loss_reduction="sum", mode=mode)
+    F.cross_entropy(model(x), y, reduction="sum").backward()
+    got = engine.per_example_grads()
+    for n, grads in expected.items():
+        assert close(got[n], torch.stack(grads)), n
+    for k, t in model.state_dict().items():
+        assert torch.equal(t, want[k]), k
+
+
+def test_a_buffer_first_changed_in_a_later_call_is_named_when_the_replay_differs():
+    """A buffer that a module's first call left alone is not kept before its calls: if a
+    later call changes it and the replay's output differs, the error names it."""
+    torch.manual_seed(16)
+    model = nn.Sequential(Counted(5), nn.Linear(5, 3)).double()
+    engine = PerExampleEngine(model, loss_reduction="sum")
+    x = torch.randn(4, 5, dtype=torch.float64)
+    model[0].forward = types.MethodType(lambda self, x: torch.tanh(x @ self.weight), model[0])
+    model(x).sum().backward()  # the first call does not count
+    engine.per_example_grads()
+    engine.clear()
+    model[0].forward = types.MethodType(Counted.forward, model[0])
+    model(x).sum().backward()
+    with pytest.raises(ValueError, match=r"changed its buffers \['calls'\]"):
+        engine.per_example_grads()
 
 
 @pytest.mark.parametrize("mode", ["auto", "vmap"])

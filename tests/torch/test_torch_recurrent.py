@@ -169,7 +169,10 @@ def test_dropout_between_and_after_layers_draws_pytorchs_masks(bidirectional):
         torch.manual_seed(4)
         outputs.append(F.dropout(model(x)[0], 0.5))
     assert outputs[0].stride() == outputs[1].stride()
-    assert torch.equal(*outputs)
+    # the same masks; the values to rounding (the rule's matrix products may round otherwise
+    # than the fused kernel: on some CPUs, by an ulp)
+    assert torch.equal(outputs[0] == 0, outputs[1] == 0)
+    assert torch.allclose(*outputs, rtol=1e-12, atol=1e-15)
 
 
 @pytest.mark.parametrize("prefer", ["memory", "time"])

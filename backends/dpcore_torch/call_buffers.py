@@ -1,0 +1,58 @@
+"""The buffers a fallback module's forward pass changes, kept as they were at each call, so
+that the per-example replay of the call (:mod:`dpcore_torch.fallback`) runs from them and
+leaves the module's buffers as the forward pass left them.
+
+A forward pass may change buffers that depend on the weights only: ``spectral_norm``'s power
+iteration updates its vectors u and v at every training call, a layer may count its calls.
+Replayed from the buffers the call left, such a module computes another function than the
+call did (the replay then sees outputs that differ and blames mixing of the examples), and a
+replay that updated them again would move the model's state twice per step. A module's
+first call keeps every buffer; later calls keep those that some call changed (in place, found
+by its version counter, or replaced), so a module whose buffers never change costs nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .snapshot import buffers
+
+
+class CallBuffers:
+    """Per module: which of its buffers its calls change, and their values before a call."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.changing: set | None = None  # None until the first call has shown them
+
+    def before(self):
+        """Before a call: (versions of every buffer, copies of those a call may change)."""
+        now = buffers(self.module)
+        versions = {key: (t, t._version) for key, t in now.items() if t is not None}
+        keep = now if self.changing is None else {k: now[k] for k in self.changing if k in now}
+        return versions, {key: t.detach().clone() for key, t in keep.items() if t is not None}
+
+    def after(self, versions, copies) -> tuple[dict, set]:
+        """After the call: (the values before it of the buffers it changed, the keys of those
+        with no copy from before, whose values are the call's), to replay it from."""
+        now = buffers(self.module)
+        changed = {key for key, t in now.items() if t is not None and (
+            key not in versions or versions[key][0] is not t or versions[key][1] != t._version)}
+        self.changing = changed if self.changing is None else self.changing | changed
+        return ({key: copies[key] if key in copies else now[key].detach().clone()
+                 for key in changed}, changed - copies.keys())
+
+    def _names(self) -> dict:
+        return {id(m): prefix for prefix, m in self.module.named_modules()}
+
+    def names(self, keys) -> list[str]:
+        """The buffers ``keys`` by their names in the module."""
+        names = self._names()
+        return sorted(f"{names[m]}.{name}" if names.get(m) else name for m, name in keys)
+
+    def by_name(self, values: dict) -> dict:
+        """Copies of ``values`` (keys of :func:`buffers`) by their names in the module, for
+        ``torch.func.functional_call`` (which a replay may then change in place)."""
+        names = self._names()
+        return {f"{names[m]}.{name}" if names.get(m) else name: t.clone()
+                for (m, name), t in values.items() if m in names}
