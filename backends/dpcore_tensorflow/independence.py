@@ -17,7 +17,8 @@ pass (compiled as the step is, without noise) on altered batches:
 1. *Repeat*: the unchanged batch again must give the same results, or the model draws
    random numbers the check cannot replay (TensorFlow's global random ops). Every variable
    the pass may change (Keras seed generators, non-trainable variables, metrics and
-   tf.Variables held by layers, tf.random.Generator states) is restored before each run.
+   tf.Variables held by layers, tf.random.Generator states, weights the pass assigns, as
+   Keras's SpectralNormalization its kernel) is restored before each run.
 2. *Scaled losses*: with L = sum_i s_i m_i l_i, s_i random powers of two (exact in floating
    point), every example's squared gradient norm must scale by s_i^2, and the weighted
    sums sum_i (w_i / s_i) grad_i must not change (to 1e-6): example i's gradient reads its
@@ -193,7 +194,8 @@ class IndependenceCheck:
             self._statistics = tf.function(self._run)
             concrete = self._statistics.get_concrete_function(*inputs(x, y, mask, weights[-1]))
         # every variable the pass may change: Keras seed generators and non-trainable
-        # variables, metrics and tf.Variables held by layers, tf.random.Generator states
+        # variables, metrics and tf.Variables held by layers, tf.random.Generator states, and
+        # (found by the first run) weights it assigns
         state = [v for v in concrete.variables if not v.trainable]
         initial = [tf.identity(v) for v in state]
 
@@ -203,8 +205,17 @@ class IndependenceCheck:
             rows, sq, sums = self._statistics(*inputs(*args))
             return [r.numpy() for r in rows], sq.numpy(), sums.numpy(), [v.numpy() for v in state]
 
+        trainable = [v for v in concrete.variables if v.trainable]
+        before = [tf.identity(v) for v in trainable]
         try:
             first = run(x, y, mask, weights[-1])
+            # and the weights the pass assigns (Keras's SpectralNormalization its kernel)
+            for variable, value in zip(trainable, before):
+                if not bool(tf.reduce_all(tf.equal(variable, value))):
+                    state.append(variable)
+                    initial.append(value)
+                    first[3].append(variable.numpy())
+            del before
             self._compare(first, run(x, y, mask, weights[-1]), every, RERUN_TOLERANCE,
                           _REPEAT)
             for _ in range(SCALINGS):

@@ -222,25 +222,36 @@ def cnn(seed=0):
                              L.MaxPooling2D(), L.Flatten(), L.Dense(3)])
 
 
+def spectral(seed=0):
+    """Keras's SpectralNormalization assigns its (trainable) kernel in the forward pass."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((6,)),
+                             L.SpectralNormalization(L.Dense(8, activation="tanh")),
+                             L.Dense(3)])
+
+
 def _batches(kind, b, steps):
     rng = np.random.default_rng(1)
     for _ in range(steps):
         if kind == "transformer":
             x = rng.integers(0, 50, size=(b, 10)).astype("int32")
+        elif kind == "spectral":
+            x = rng.normal(size=(b, 6)).astype("float32")
         else:
             x = rng.normal(size=(b, 8, 8, 2)).astype("float32")
         yield x, rng.integers(0, 3, size=b).astype("int32")
 
 
 @pytest.mark.filterwarnings("ignore::dpcore_tensorflow.bookkeeping.FallbackWarning")
-@pytest.mark.parametrize("kind", ["transformer", "cnn"])
+@pytest.mark.parametrize("kind", ["transformer", "cnn", "spectral"])
 def test_per_example_models_pass_and_train_as_without_the_check(kind):
     """Dropout, Gaussian noise, attention, an unfed position embedding, a frozen batch norm,
-    group norm (fallback) and a counter the forward pass updates: the check passes, and the
-    weights, counter and seed generators after three steps are those without the check."""
+    group norm (fallback), a counter the forward pass updates and a kernel it assigns
+    (spectral normalisation): the check passes, and the weights, counter and seed generators
+    after three steps are those without the check."""
     after = {}
     for check in (True, False):
-        model = transformer() if kind == "transformer" else cnn()
+        model = {"transformer": transformer, "cnn": cnn, "spectral": spectral}[kind]()
         dp, agg = private(model, check_independence=check)
         optimizer = keras.optimizers.SGD(0.1)
         for x, y in _batches(kind, 12, 3):
