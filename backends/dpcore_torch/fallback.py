@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .call_buffers import CallBuffers
 from .draws import Recording, Replayer, ReplayMismatchError, alias, share, unobserved
-from .independence import probing
+from .independence import NotPerExampleError, probing
 from .instrumentation import instrumentation
 from .layers import birth, cast_to, keep_rows, late_backward, tick
 from .rows import Rows
@@ -405,6 +405,15 @@ class FallbackUnit:
             except ReplayMismatchError:
                 raise
             except RuntimeError as error:
+                if "being vmapped over but `self` not being vmapped over" in str(error):
+                    raise NotPerExampleError(
+                        f"{name} changes a tensor that every example shares (a parameter, a "
+                        f"buffer or an attribute) in place with values computed from the "
+                        f"batch, such as a data-dependent initialisation (ActNorm) or a "
+                        f"running statistic: the batch's records would reach later steps "
+                        f"without noise, and each example's gradient would depend on the "
+                        f"others. Initialise from public data, or compute the statistic "
+                        f"without the training records ({error})") from error
                 raise RuntimeError(
                     f"torch.func could not form per-example gradients of {name} ({error}). "
                     f"dpcore replays a layer it has no rule for one example at a time under "

@@ -196,12 +196,13 @@ class Probe:
             return
         self._remove()
         self.state = "waiting"
+        self._before.keep_changed_parameters()
         # unseen by a recording fallback call around it (the model's own, say)
         with torch._C.DisableTorchFunction(), unobserved():
             sizes = {call.batch_size for unit in self.units
                      for call in unit.calls[self._counts[id(unit)]:]}
             if len(sizes) != 1 or next(iter(sizes)) < 2:
-                self._captured = []
+                self._captured, self._before = [], None
                 return  # no layer call, batches of several sizes (the engine refuses), B < 2
             self.state = "done"
             try:
@@ -296,11 +297,6 @@ class Probe:
         before, first, self._before, self._first = self._before, self._first, None, None
         self.state = "done"
         try:
-            if before.parameters_changed(module):
-                _forward_unchecked(module, "the pass changes parameters in place (a clamp, a "
-                                   "data-dependent initialisation), so it cannot be run again "
-                                   "from where it began", stacklevel=3)
-                return
             self._left = None
             for split in range(SPLITS):
                 if not self._rerun_split(module, before, first, split):

@@ -70,9 +70,9 @@ def _same(a, c) -> bool:
 
 
 class Snapshot:
-    """What a forward pass of ``module`` started from: its inputs (copies), the parameters'
-    versions, random state, buffers, the modules' own generators, training modes and
-    autocast."""
+    """What a forward pass of ``module`` started from: its inputs (copies), the parameters
+    (copies, until the pass has shown which it changes in place), random state, buffers, the
+    modules' own generators, training modes and autocast."""
 
     def __init__(self, module, args, kwargs):
         self.inputs = _rebuilt((args, kwargs), _kept)
@@ -80,15 +80,16 @@ class Snapshot:
         self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         self.buffers = buffers(module, copy=True)
         self.generators = _generators(module)
-        self.versions = {id(p): p._version for p in module.parameters()}
+        self.parameters = [(p, p._version, p.detach().clone()) for p in module.parameters()]
         self.training = [m.training for m in module.modules()]
         self.autocast = [(d, torch.get_autocast_dtype(d), torch.is_autocast_enabled(d))
                          for d in _AUTOCAST_DEVICES]
 
-    def parameters_changed(self, module) -> bool:
-        """Whether a parameter changed in place since the pass began (the pass clamped it,
-        say): the rerun could not start from the same parameters."""
-        return any(p._version != self.versions.get(id(p)) for p in module.parameters())
+    def keep_changed_parameters(self) -> None:
+        """At the end of the pass: drop the copies of the parameters it did not change in
+        place (most passes change none; one may clamp a weight, or initialise one from the
+        batch, which a rerun must do again from where the pass began)."""
+        self.parameters = [(p, v, t) for p, v, t in self.parameters if p._version != v]
 
     def replaced(self, b: int, kept, factor: float = 1.0):
         """((args, kwargs) with every row outside ``kept`` of every input of b rows (a tensor
@@ -128,9 +129,9 @@ class Snapshot:
 
     @contextlib.contextmanager
     def restored(self, module, start: dict | None = None):
-        """The pass's random state, generators, training modes and autocast, and copies of
-        its buffers (or of ``start``'s, from :func:`buffers`) in place of the buffers, all
-        put back on exit."""
+        """The pass's random state, generators, training modes and autocast, the values of
+        the parameters it changed, and copies of its buffers (or of ``start``'s, from
+        :func:`buffers`) in place of the buffers, all put back on exit."""
         after, after_generators = buffers(module), _generators(module)
         modes = [m.training for m in module.modules()]
         devices = list(range(len(self.cuda))) if self.cuda is not None else []
@@ -142,7 +143,11 @@ class Snapshot:
             for device, dtype, enabled in self.autocast:
                 stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
             stack.enter_context(torch.enable_grad())
+            changed = [(p, began, p.detach().clone()) for p, _, began in self.parameters]
             try:
+                with torch.no_grad():
+                    for p, began, _ in changed:
+                        p.copy_(began)
                 _set_buffers(module, {key: None if t is None else t.clone() for key, t in
                                       (self.buffers if start is None else start).items()})
                 for generator, state in self.generators:
@@ -151,6 +156,9 @@ class Snapshot:
                     m.training = training
                 yield
             finally:
+                with torch.no_grad():
+                    for p, _, end in changed:
+                        p.copy_(end)
                 _set_buffers(module, after)
                 for generator, state in after_generators:
                     generator.set_state(state)

@@ -696,29 +696,66 @@ def test_the_second_check_waits_for_the_weights_to_move():
 
 
 class Awkward(nn.Module):
-    """Per example, but its pass cannot be run again: it clamps its weight in place, or it
-    raises on a batch whose first example is repeated (as the rerun's copies make it)."""
+    """Per example, but its pass cannot be run again: it raises on a batch whose first
+    example is repeated (as the rerun's copies make it)."""
 
-    def __init__(self, form):
+    def __init__(self):
         super().__init__()
-        self.form, self.layer = form, nn.Linear(5, 3)
+        self.layer = nn.Linear(5, 3)
 
     def forward(self, x):
-        if self.form == "clamp":
-            with torch.no_grad():
-                self.layer.weight.clamp_(-0.3, 0.3)
-        elif x.shape[0] > 1 and bool((x[1:] == x[:1]).all(1).any()):
+        if x.shape[0] > 1 and bool((x[1:] == x[:1]).all(1).any()):
             raise ValueError("duplicate example")
         return self.layer(x)
 
 
-@pytest.mark.parametrize("form, warning", [("clamp", "changes parameters in place"),
-                                           ("validate", "raised ValueError")])
-def test_a_pass_that_cannot_be_run_again_is_reported_unchecked(form, warning):
+def test_a_pass_that_cannot_be_run_again_is_reported_unchecked():
     torch.manual_seed(0)
-    model = Awkward(form)
-    with pytest.warns(UserWarning, match=warning):
+    model = Awkward()
+    with pytest.warns(UserWarning, match="raised ValueError"):
         first_step(model, PerExampleEngine(model), torch.randn(6, 5))
+
+
+class ChangesWeights(nn.Module):
+    """Changes a Linear's parameters in place in its pass (outside the layer's call): clamps
+    the weight, or initialises the bias from the batch on the first pass (ActNorm's
+    data-dependent initialisation, with its flag in a buffer)."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form, self.layer = form, nn.Linear(5, 3)
+        self.register_buffer("initialised", torch.tensor(False))
+
+    def forward(self, x):
+        with torch.no_grad():
+            if self.form == "clamp":
+                self.layer.weight.clamp_(-0.3, 0.3)
+            elif not self.initialised:
+                self.layer.bias.sub_((x @ self.layer.weight.t()).mean(0))
+                self.initialised.fill_(True)
+        return self.layer(x)
+
+
+@pytest.mark.parametrize("form", ["clamp", "initialisation from the batch"])
+def test_a_pass_that_changes_parameters_runs_again_from_where_it_began(form):
+    """The reruns start from the parameters as the pass began and leave them as it did: a
+    clamp passes, unwarned and trained as without the check; an initialisation from the
+    batch (its records kept in the weights without noise) is refused."""
+    results = []
+    for check in (True, False):
+        torch.manual_seed(0)
+        model = ChangesWeights(form)
+        engine = PerExampleEngine(model, check_independence=check)
+        if check and form != "clamp":
+            with pytest.raises(NotPerExampleError, match="changed in the rows"):
+                first_step(model, engine, torch.randn(6, 5))
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            first_step(model, engine, torch.randn(6, 5))
+        assert not check or engine._probe.checked == 1
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(map(torch.equal, *results))
 
 
 class Packed(nn.Module):

@@ -943,6 +943,34 @@ def test_a_buffer_first_changed_in_a_later_call_is_named_when_the_replay_differs
         engine.per_example_grads()
 
 
+class ActNorm(nn.Module):
+    """Glow's ActNorm: the first training call sets the shift from the batch's mean."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.shift, self.mix = nn.Parameter(torch.zeros(n)), nn.Parameter(torch.eye(n))
+        self.register_buffer("initialised", torch.tensor(False))
+
+    def forward(self, x):
+        if not self.initialised:
+            with torch.no_grad():
+                self.shift.copy_(-x.mean(0))
+                self.initialised.fill_(True)
+        return (x + self.shift) @ self.mix
+
+
+def test_a_data_dependent_initialisation_in_a_fallback_is_refused():
+    """Replayed from its buffers before the call, the initialisation runs again, from one
+    example: refused with what it is (it was replayed from the initialised state, and the
+    batch's mean trained unnoticed, with the independence check off)."""
+    torch.manual_seed(17)
+    model = nn.Sequential(ActNorm(5), nn.Linear(5, 3)).double()
+    engine = PerExampleEngine(model, loss_reduction="sum", check_independence=False)
+    model(torch.randn(6, 5, dtype=torch.float64)).sum().backward()
+    with pytest.raises(NotPerExampleError, match="data-dependent initialisation"):
+        engine.per_example_grads()
+
+
 @pytest.mark.parametrize("mode", ["auto", "vmap"])
 def test_hooks_registered_on_a_fallback_module_after_the_engine_match_the_oracle(mode):
     """A pre-hook that changes the input and a forward hook that changes the output, both
