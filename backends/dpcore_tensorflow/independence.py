@@ -63,9 +63,6 @@ SCALINGS = 2  # scaled-loss runs; factors 2^e, e uniform in -8..8
 SPLITS = 4  # random splits of the batch into halves for the reruns
 FACTORS = (1.0, 2.0, -1.0, 0.5)  # per split: the replaced rows' floating inputs, source times
 BATCHES = 2  # checked batches: the first, and the next with the weights the first step moved
-_REPEAT = "two runs on the same batch differ"
-
-
 class NotPerExampleError(CrossExampleLayerError):
     """The model (or loss) makes one example's gradient depend on other examples."""
 
@@ -217,7 +214,7 @@ class IndependenceCheck:
                     first[3].append(variable.numpy())
             del before
             self._compare(first, run(x, y, mask, weights[-1]), every, RERUN_TOLERANCE,
-                          _REPEAT)
+                          "two runs on the same batch differ", repeat=True)
             for _ in range(SCALINGS):
                 scale = np.exp2(rng.integers(-8, 9, batch)).astype(np.float32)
                 self._compare(first, run(x, y, mask, weights[-1] / scale, scale), every,
@@ -263,10 +260,11 @@ class IndependenceCheck:
         paths = {v.value.ref(): v.path for v in self.engine.model.variables}
         return paths.get(variable.ref(), variable.name)
 
-    def _compare(self, first, second, kept, tolerance, when: str, *, scale=None) -> None:
+    def _compare(self, first, second, kept, tolerance, when: str, *, scale=None,
+                 repeat: bool = False) -> None:
         """Raise if ``second``'s statistics differ from ``first``'s in rows ``kept``: the
         forward rows (unless the losses were scaled by ``scale``), the squared norms (times
-        scale^2) and the weighted sums."""
+        scale^2) and the weighted sums; ``repeat``: the same batch ran twice."""
         rows, sq, sums, _ = first
         rows2, sq2, sums2, _ = second
         tolerance = max(tolerance, self._floor)
@@ -274,19 +272,19 @@ class IndependenceCheck:
             for what, want, got in zip(self._what, rows, rows2):
                 picked = kept if len(want) == len(sq) else [0]
                 self._expect(what, got[picked], want[picked], want[picked, 1], tolerance,
-                             picked, when)
+                             picked, when, repeat=repeat)
         want = sq if scale is None else sq * np.square(scale.astype(np.float64))[:, None]
         for j, leaf in enumerate(self.engine.names):
             self._expect(f"the squared gradient norm of {leaf!r}", sq2[kept, j:j + 1],
                          want[kept, j:j + 1], want[kept, j], 2 * tolerance, kept, when,
-                         squared=True)
+                         squared=True, repeat=repeat)
         for leaf, got, want in zip(self.engine.names, sums2, sums):
             self._expect(f"a weighted sum of the gradients of {leaf!r}", got[None],
-                         want[None], want[None, 1], tolerance, None, when)
+                         want[None], want[None, 1], tolerance, None, when, repeat=repeat)
 
     @staticmethod
     def _expect(what: str, got, want, norms, tolerance: float, kept, when: str, *,
-                squared: bool = False) -> None:
+                squared: bool = False, repeat: bool = False) -> None:
         """Raise if ``got`` and ``want`` (rows, k) differ by more than ``tolerance`` of the
         rows' ``norms``, these raised to FLOOR of the largest (squared: FLOOR^2), so that
         rows near zero, which underflow, are not compared to their own rounding."""
@@ -300,7 +298,7 @@ class IndependenceCheck:
         rows, deviation, norm = found
         examples = [] if kept is None else [int(kept[r]) for r in rows][:8]
         where = f" in the rows of examples {examples}" if examples else ""
-        if when == _REPEAT:
+        if repeat:
             raise NotPerExampleError(
                 f"dpcore cannot check that the model keeps the examples apart: {when} "
                 f"({what}{where}, by {deviation:.3g} against {norm:.3g}). The model draws "
