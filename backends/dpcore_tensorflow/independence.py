@@ -25,8 +25,9 @@ pass (compiled as the step is, without noise) on altered batches:
    own loss only. Mixing of one pair of rows passes a scaling only if their factors agree:
    1 in 17 for each of the two scalings.
 3. *Rerun*: the rows are split at random into halves, SPLITS times; for each half the pass
-   runs again with every row of the other half replaced by one row of this half (targets
-   and mask copied, floating inputs multiplied by FACTORS: a copy changes no statistic that
+   runs again with every row of the other half replaced by the nearest real row of this
+   half before it (after it, for rows before the first), so that inputs sorted by length
+   stay sorted (targets and mask copied, floating inputs multiplied by FACTORS: a copy changes no statistic that
    every row shares, such as a maximum each image reaches). In this half's rows the losses,
    the model's outputs, every tapped layer's input and output (a layer whose weight is zero
    shows mixing in its input only), the squared gradient norms and a weighted sum of the
@@ -222,8 +223,7 @@ class IndependenceCheck:
                               scale=scale)
             left = None  # state a rerun left otherwise than the pass
             for k, (kept, w) in enumerate(zip(halves, weights)):
-                source = next((i for i in kept if mask[i]), kept[0])
-                index = np.array([i if i in kept else source for i in range(batch)])
+                index = _nearest(kept, mask)
                 factor, targets = FACTORS[k // 2], tf.nest.map_structure(
                     _replacer(index, batch), y)
                 try:
@@ -317,6 +317,19 @@ class IndependenceCheck:
             f"other records, and clipping would not bound it. Remove the mixing; if the "
             f"model's inputs have rows that are not the examples, or the statistic is kept "
             f"for monitoring only, pass check_independence=False")
+
+
+def _nearest(kept, mask) -> np.ndarray:
+    """For each row, itself if ``kept``, else the nearest kept real (``mask``) row before it
+    (the first after it, for the rows before that one; any kept row if none is real)."""
+    real = {i for i in kept if mask[i]} or set(kept)
+    source, last = np.arange(len(mask)), min(real)
+    for i in range(len(mask)):
+        if i in real:
+            last = i
+        elif i not in kept:
+            source[i] = last
+    return source
 
 
 def _changed(values, others) -> bool:

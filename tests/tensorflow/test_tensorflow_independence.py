@@ -391,6 +391,24 @@ def test_inputs_that_cannot_be_scaled_are_replaced_by_copies():
     assert dp.independence.checked == 1
 
 
+def _sorted_only(t):
+    """The rows must come sorted by their first column (as sequences sorted by length)."""
+    tf.debugging.assert_greater_equal(t[:-1, 0], t[1:, 0], message="rows not sorted")
+    return t
+
+
+def test_inputs_sorted_by_a_column_stay_sorted_in_the_reruns():
+    """Replaced rows take the nearest kept row before them (as in PyTorch's check), so a
+    model that needs its rows sorted runs the reruns; scaled splits fall back to copies."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    dp, _ = private(keras.Model(inputs, L.Dense(3)(L.Lambda(_sorted_only)(inputs))))
+    x, y = data(8)
+    x[:, 0] = np.arange(8)[::-1]
+    dp(x, y)
+    assert dp.independence.checked == 1
+
+
 def test_the_second_check_waits_for_the_weights_to_move():
     dp, _ = private(mlp())
     x, y = data(8)
