@@ -127,7 +127,8 @@ class IndependenceCheck:
     def _run(self, x, y, mask, scale, weights, directions):
         """One pass: row statistics of the losses, outputs and tapped calls; squared norms
         (B, L); the statistics (L, 2) of the sums sum_i w_i grad_i for the weights (B,),
-        projected on ``directions`` (one per leaf, drawn once for all the runs)."""
+        projected on ``directions`` (one per leaf, drawn once for all the runs); the shapes
+        of the tensors of the row statistics."""
         run = self.engine.examples_pass(x, y, self.loss_fn, mask, scale)
         batch = run.losses.shape[0]
         entries = []  # in the order of the calls: the first to change is named
@@ -145,7 +146,7 @@ class IndependenceCheck:
                              for leaf in names], axis=1)
         sums = tf.stack([_vector_statistics(run.objects[leaf].weighted_sum(weights), direction)
                          for leaf, direction in zip(names, directions)])
-        return rows, sq_norms, sums
+        return rows, sq_norms, sums, [tf.shape(t) for _, t in entries]
 
     def __call__(self, x, y, mask=None) -> bool:
         """Check on the batch (eagerly, before its step); raise :class:`NotPerExampleError`
@@ -200,8 +201,9 @@ class IndependenceCheck:
         def run(*args, start=initial):
             for variable, value in zip(state, start):
                 variable.assign(value)
-            rows, sq, sums = self._statistics(*inputs(*args))
-            return [r.numpy() for r in rows], sq.numpy(), sums.numpy(), [v.numpy() for v in state]
+            rows, sq, sums, shapes = self._statistics(*inputs(*args))
+            return ([r.numpy() for r in rows], sq.numpy(), sums.numpy(),
+                    [v.numpy() for v in state], [tuple(s.numpy().tolist()) for s in shapes])
 
         trainable = [v for v in concrete.variables if v.trainable]
         before = [tf.identity(v) for v in trainable]
@@ -265,9 +267,18 @@ class IndependenceCheck:
         """Raise if ``second``'s statistics differ from ``first``'s in rows ``kept``: the
         forward rows (unless the losses were scaled by ``scale``), the squared norms (times
         scale^2) and the weighted sums; ``repeat``: the same batch ran twice."""
-        rows, sq, sums, _ = first
-        rows2, sq2, sums2, _ = second
+        rows, sq, sums, _, shapes = first
+        rows2, sq2, sums2, _, shapes2 = second
         tolerance = max(tolerance, self._floor)
+        for what, shape, shape2 in zip(self._what, shapes, shapes2):
+            if shape != shape2:
+                raise NotPerExampleError(
+                    f"the model mixes the examples of a batch: the shape of {what} changed "
+                    f"from {shape} to {shape2} {when}. A shape that follows the batch "
+                    f"(padding or trimming to its longest sequence) makes each example's "
+                    f"computation depend on the others: pad to a fixed length (e.g. "
+                    f"TextVectorization(output_sequence_length=T)); if the padding is masked "
+                    f"out everywhere, pass check_independence=False")
         if scale is None:  # a scaling of the losses leaves the forward pass alone
             for what, want, got in zip(self._what, rows, rows2):
                 picked = kept if len(want) == len(sq) else [0]

@@ -409,6 +409,25 @@ def test_inputs_sorted_by_a_column_stay_sorted_in_the_reruns():
     assert dp.independence.checked == 1
 
 
+def _trimmed(ids):
+    """Token ids (0 = padding) trimmed to the batch's longest sequence."""
+    return ids[:, :tf.reduce_max(tf.reduce_sum(tf.cast(ids > 0, tf.int32), 1))]
+
+
+def test_a_shape_that_follows_the_batch_is_named():
+    keras.utils.set_random_seed(0)
+    ids = keras.Input((10,), dtype="int32")
+    h = L.GlobalAveragePooling1D()(L.Embedding(20, 4)(L.Lambda(_trimmed)(ids)))
+    dp, _ = private(keras.Model(ids, L.Dense(3)(h)))
+    rng = np.random.default_rng(0)
+    x = np.zeros((8, 10), "int32")
+    for i, n in enumerate([9, 2, 3, 5, 1, 4, 2, 6]):
+        x[i, :n] = rng.integers(1, 20, n)
+    with pytest.raises(NotPerExampleError, match=r"the shape of the input of layer .* changed "
+                                                 r"from \(8, 9\)"):
+        dp(x, rng.integers(0, 3, 8).astype("int32"))
+
+
 def test_the_second_check_waits_for_the_weights_to_move():
     dp, _ = private(mlp())
     x, y = data(8)
