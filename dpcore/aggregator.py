@@ -29,6 +29,7 @@ from .noise import NoiseDraws
 from .plugins import get_backend
 from .budget import BudgetExhaustedError, PrivacyBudget
 from .queries import Mechanism, effective_noise_multiplier
+from .secure import SecureGenerator, SecurePoissonSampler, secure_standard_normal
 
 
 class FixedClipping:
@@ -47,7 +48,9 @@ class PrivateAggregator:
     """Gaussian sum queries of ``mechanism`` on Poisson samples (rate ``q``) of ``n`` records.
 
     ``ledger`` is a :class:`Ledger`, a path (created, or reopened and appended to) or None (in
-    memory). ``seed`` fixes sampling and noise for tests; None takes OS entropy.
+    memory). ``seed`` fixes sampling and noise for tests; None takes OS entropy. ``secure``
+    draws sampling and noise from the system's cryptographically secure generator instead of
+    NumPy's and the backend's (:mod:`dpcore.secure`; unseeded, and slower).
     ``on_nonfinite`` is ``"raise"`` or ``"drop"`` (see :func:`aggregation.clip_factors`).
     ``clipping`` makes the clips move over the steps (a schedule, or adaptive clipping).
     With a ``budget`` (:class:`~dpcore.budget.PrivacyBudget`), a step that would exceed it is
@@ -58,7 +61,7 @@ class PrivateAggregator:
     def __init__(self, mechanism: Mechanism, *, n: int, q: float,
                  backend: str | Backend = "numpy", ledger: Ledger | PathLike | None = None,
                  seed: int | None = None, on_nonfinite: str = "raise", clipping=None,
-                 budget: PrivacyBudget | None = None):
+                 budget: PrivacyBudget | None = None, secure: bool = False):
         if not isinstance(mechanism, Mechanism):
             raise TypeError(f"mechanism must be a dpcore Mechanism, got {mechanism!r}")
         self.n = check.count("n", n)
@@ -77,10 +80,21 @@ class PrivateAggregator:
                              f"record={mechanism.record!r}")
         self.ledger = ledger
         self._sampling = SamplingEvent(self.q, self.n)  # every step's (immutable) event
-        sampling_seed, noise_seed = np.random.SeedSequence(seed).spawn(2)
-        self.sampler = self.backend.poisson_sampler(self.n, self.q, seed=sampling_seed)
-        self.rng = self.backend.rng(None if seed is None
-                                    else int(noise_seed.generate_state(1, np.uint64)[0] >> 1))
+        self.secure = bool(secure)
+        if self.secure:
+            if seed is not None:
+                raise ValueError(f"secure=True draws from the system's cryptographically "
+                                 f"secure generator, which takes no seed (got seed={seed!r}): "
+                                 f"a seed would make the noise predictable")
+            self.sampler = SecurePoissonSampler(self.n, self.q)
+            self.rng = SecureGenerator()
+            self.standard_normal = secure_standard_normal(self.backend)
+        else:
+            sampling_seed, noise_seed = np.random.SeedSequence(seed).spawn(2)
+            self.sampler = self.backend.poisson_sampler(self.n, self.q, seed=sampling_seed)
+            self.rng = self.backend.rng(
+                None if seed is None else int(noise_seed.generate_state(1, np.uint64)[0] >> 1))
+            self.standard_normal = self.backend.standard_normal
         self._policy = (FixedClipping(mechanism) if clipping is None
                         else clipping.bind(mechanism, self.expected_size))
         self.budget = budget
@@ -117,6 +131,17 @@ class PrivateAggregator:
         """Groups each step releases besides the mechanism's (adaptive clipping's counts of
         unclipped records); a fused step that releases only the gradient cannot serve them."""
         return self._policy.count_groups
+
+    def require_backend_generator(self, what: str) -> None:
+        """Refuse a ``secure`` aggregator to ``what``, a compiled step that draws its noise
+        with the backend's own generator (on the device, inside the compiled program)."""
+        if self.secure:
+            raise ValueError(
+                f"this aggregator is secure=True (noise from the system's cryptographically "
+                f"secure generator, drawn on the host), but {what} draw the noise with the "
+                f"backend's generator inside a compiled step: use the backend's "
+                f"private_gradient(loss_fn, params, batch, aggregator) for secure steps, or "
+                f"an aggregator with secure=False")
 
     @property
     def expected_size(self) -> float:
@@ -171,7 +196,7 @@ class PrivateAggregator:
         counts = self._count_sums(factors, mask)
         self.record_release()
         self.rng, released = aggregation.noisy_average(
-            {**clipped_sums, **counts}, self._released, self.rng, self.backend.standard_normal,
+            {**clipped_sums, **counts}, self._released, self.rng, self.standard_normal,
             self.expected_size, xp=self.backend.namespace())
         if counts:
             self._policy.observe(released)
@@ -238,7 +263,7 @@ class PrivateAggregator:
         released = draws.finish(self.expected_size)
         if counts:
             self.rng, noisy_counts = aggregation.noisy_average(
-                counts, self._released, self.rng, self.backend.standard_normal,
+                counts, self._released, self.rng, self.standard_normal,
                 self.expected_size, xp=self.backend.namespace())
             self._policy.observe(noisy_counts)
         return released

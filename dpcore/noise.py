@@ -92,7 +92,7 @@ class NoiseDraws(Mapping):
             base = xp.zeros(flat_shape, dtype=dtype, device=device(like))
         else:
             agg = self.aggregator
-            agg.rng, base = agg.backend.standard_normal(agg.rng, flat_shape, like)
+            agg.rng, base = agg.standard_normal(agg.rng, flat_shape, like)
             if not is_writeable_array(base):
                 raise TypeError(f"backend {agg.backend.name!r} draws read-only arrays; adding "
                                 f"sums into the noise needs writeable ones: use release_sums")

@@ -86,6 +86,8 @@ class PrivateGradients:
                              if check_independence and mode != "vectorized" else None)
         self._checked = False  # check() ran for the step about to be recorded
         self.aggregator = aggregator
+        aggregator.require_backend_generator("dpcore_tensorflow's PrivateGradients (and the "
+                                             "Keras model of make_private)")
         if not isinstance(aggregator.rng, tf.random.Generator):
             raise TypeError(f"the aggregator's generator is {type(aggregator.rng).__name__}; "
                             f"create it with backend='tensorflow' so noise is drawn in graph")

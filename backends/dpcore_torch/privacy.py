@@ -57,7 +57,8 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
                  epochs: int | None = None, clipping="flat", loss_reduction: str = "mean",
                  ledger=None, seed: int | None = None, mode: str = "auto",
                  prefer: str = "memory", accountant: str = "pld", clip_policy=None,
-                 budget=None, on_nonfinite: str = "raise", check_independence: bool = True):
+                 budget=None, on_nonfinite: str = "raise", check_independence: bool = True,
+                 secure: bool = False):
     """Private (module, optimizer, data_loader).
 
     Give ``noise_multiplier`` z, or ``target_epsilon`` with ``target_delta`` and ``epochs`` to
@@ -65,7 +66,8 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     ``"per_layer"`` or a :class:`dpcore.Mechanism` over the parameter names. ``loss_reduction``
     must match the loss (``"mean"`` or ``"sum"`` over the batch). ``ledger`` is a path, a
     :class:`dpcore.Ledger` or None (in memory). ``seed`` fixes sampling and noise (tests only;
-    None draws OS entropy). ``mode`` is ``"auto"`` (ghost norms and book-keeping where a layer
+    None draws OS entropy); ``secure`` draws sampling and noise from the system's
+    cryptographically secure generator instead (:mod:`dpcore.secure`; no seed). ``mode`` is ``"auto"`` (ghost norms and book-keeping where a layer
     rule exists, ``torch.func`` elsewhere) or ``"vmap"`` (``torch.func`` for the whole model);
     ``prefer`` ("memory" or "time") picks ghost norms or materialised per-example gradients per
     layer (:func:`dpcore_torch.layers.use_ghost`). ``accountant`` calibrates ``target_epsilon``.
@@ -100,11 +102,16 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
                                      epochs * steps_per_epoch(q), accountant)
     engine = PerExampleEngine(module, mode=mode, loss_reduction=loss_reduction, prefer=prefer,
                               check_independence=check_independence)
-    mechanism = build_mechanism(clipping, engine.leaf_sizes, max_grad_norm, noise_multiplier)
-    aggregator = PrivateAggregator(
-        mechanism, n=n, q=q, backend="torch", ledger=ledger, seed=seed,
-        clipping=QuantileClipping() if clip_policy == "adaptive" else clip_policy,
-        budget=budget, on_nonfinite=on_nonfinite)
+    try:
+        mechanism = build_mechanism(clipping, engine.leaf_sizes, max_grad_norm,
+                                    noise_multiplier)
+        aggregator = PrivateAggregator(
+            mechanism, n=n, q=q, backend="torch", ledger=ledger, seed=seed,
+            clipping=QuantileClipping() if clip_policy == "adaptive" else clip_policy,
+            budget=budget, on_nonfinite=on_nonfinite, secure=secure)
+    except BaseException:
+        engine.detach()  # the model as it was: make_private can be called again
+        raise
     loader = poisson_loader(  # the aggregator's sampler: the backend's, which conformance tests
         data_loader.dataset, q, sampler=aggregator.sampler, collate_fn=data_loader.collate_fn,
         num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory)

@@ -351,3 +351,14 @@ def test_fit_takes_a_dict_of_inputs():
     private.compile(optimizer="sgd", loss=CE)
     private.fit(x, y, epochs=1, steps_per_epoch=3, verbose=0)
     assert private.aggregator.ledger.steps() == [dpcore.Step(0.2, 1.0, 3)]
+
+
+def test_a_secure_aggregator_is_refused_by_the_graph_step():
+    """secure=True draws noise on the host; PrivateGradients draws it in graph."""
+    keras = pytest.importorskip("keras")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    agg = dpcore.PrivateAggregator(dpcore.flat([v.path for v in model.trainable_variables],
+                                               1.0, 1.0), n=10, q=0.5, backend="tensorflow",
+                                   secure=True)
+    with pytest.raises(ValueError, match="secure=True"):
+        PrivateGradients(model, keras.losses.MeanSquaredError(reduction=None), agg)

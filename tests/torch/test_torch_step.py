@@ -614,3 +614,25 @@ def test_a_compiled_model_takes_the_same_private_steps(compile_first):
         trained.append([p.detach().clone() for p in model.parameters()])
     for eager, compiled in zip(*trained):
         torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)
+
+
+def test_secure_noise_has_the_std_the_ledger_records():
+    """make_private(secure=True): sampling and noise from the system's CSPRNG. Zero gradients:
+    the update is the noise, lr sigma~ N(0, I) / (q n), with sigma~ from the ledger (a 10%
+    error fails); a seed is refused, and leaves the model as it was."""
+    data = TensorDataset(torch.randn(1000, 400), torch.zeros(1000, 50))
+    model = nn.Linear(400, 50)
+    with pytest.raises(ValueError, match="takes no seed"):
+        make_private(model, torch.optim.SGD(model.parameters(), lr=1.0),
+                     DataLoader(data, batch_size=100), noise_multiplier=2.0,
+                     max_grad_norm=0.5, secure=True, seed=0)
+    model, optimizer, loader = make_private(
+        model, torch.optim.SGD(model.parameters(), lr=1.0), DataLoader(data, batch_size=100),
+        noise_multiplier=2.0, max_grad_norm=0.5, secure=True, check_independence=False)
+    x, y = next(iter(loader))
+    before = model.weight.detach().clone()
+    (model(x) * 0).sum().backward()
+    optimizer.step()
+    event = next(e for e in optimizer.ledger.events if isinstance(e, dpcore.SumQueryEvent))
+    std = float((model.weight.detach() - before).std()) * optimizer.aggregator.expected_size
+    assert abs(std / event.noise_std - 1) < 0.03

@@ -1,0 +1,68 @@
+"""Sampling and noise from the system's CSPRNG (dpcore.secure, PrivateAggregator(secure=True)).
+The draws cannot be seeded, so the statistical tests use thresholds a correct generator
+crosses with probability below 1e-6, and a 10% error in a standard deviation or a rate
+would cross."""
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from dpcore import PrivateAggregator, flat
+from dpcore.ledger import SumQueryEvent
+from dpcore.secure import SecureGenerator, SecurePoissonSampler
+
+
+def test_normals_are_standard_normal():
+    x = SecureGenerator().standard_normal(200_000)
+    assert x.dtype == np.float64 and np.isfinite(x).all()
+    assert stats.kstest(x, "norm").pvalue > 1e-6
+    assert abs(x.mean()) < 5.5 / math.sqrt(len(x))
+    assert abs(x.std() - 1) < 5.5 / math.sqrt(2 * len(x))  # a 10% error is 60 such sigmas
+
+
+def test_uniforms_lie_on_the_53_bit_grid():
+    u = SecureGenerator().uniform(100_000)
+    assert (u >= 0).all() and (u < 1).all()
+    assert np.array_equal(u * 2.0 ** 53, np.floor(u * 2.0 ** 53))
+    assert stats.kstest(u, "uniform").pvalue > 1e-6
+
+
+def test_poisson_samples_include_each_record_with_probability_q():
+    n, q, draws = 500, 0.1, 400
+    sampler = SecurePoissonSampler(n, q, steps=draws)
+    counts = np.zeros(n)
+    sizes = []
+    for sample in sampler:
+        assert np.array_equal(sample, np.unique(sample)) and (sample < n).all()
+        counts[sample] += 1
+        sizes.append(len(sample))
+    assert len(sizes) == draws
+    total = n * draws
+    assert abs(sum(sizes) - q * total) < 5.5 * math.sqrt(total * q * (1 - q))
+    # every record alike: a chi-square test of the inclusion counts
+    expected = q * draws
+    chi2 = (((counts - expected) ** 2) / (expected * (1 - q))).sum()
+    assert stats.chi2.sf(chi2, n - 1) > 1e-6
+
+
+def test_a_secure_release_adds_the_noise_the_ledger_records():
+    """Zero gradients: the released average is the noise over q n, with the std the ledger
+    records (numpy backend; the torch and JAX backends' tests do the same through theirs)."""
+    agg = PrivateAggregator(flat(["w", "b"], 0.5, 2.0), n=100, q=0.5, secure=True)
+    b = len(agg.sample())
+    out = agg.release({"w": np.zeros((b, 100_000)), "b": np.zeros((b, 3))})
+    event = next(e for e in agg.ledger.events if isinstance(e, SumQueryEvent))
+    std = out["w"].std() * agg.expected_size
+    assert abs(std / event.noise_std - 1) < 0.02
+    assert agg.secure and isinstance(agg.rng, SecureGenerator)
+
+
+def test_a_secure_aggregator_takes_no_seed_and_compiled_steps_refuse_it():
+    with pytest.raises(ValueError, match="takes no seed"):
+        PrivateAggregator(flat(["w"], 1.0, 1.0), n=10, q=0.5, seed=0, secure=True)
+    agg = PrivateAggregator(flat(["w"], 1.0, 1.0), n=10, q=0.5, secure=True)
+    with pytest.raises(ValueError, match="secure=True .* the fused step"):
+        agg.require_backend_generator("the fused step")
+    PrivateAggregator(flat(["w"], 1.0, 1.0), n=10, q=0.5).require_backend_generator("it")
