@@ -33,8 +33,6 @@ def check_aggregator(aggregator) -> None:
         raise TypeError(f"the aggregator's backend must be the JAX backend (its rng is a jax "
                         f"key), got {getattr(aggregator, 'backend', aggregator)!r}; create it "
                         f"with PrivateAggregator(..., backend='jax')")
-    aggregator.require_backend_generator("the compiled JAX steps (private_grad, PrivateStep, "
-                                         "train, private_optimizer)")
     if aggregator.clips_move:
         raise ValueError("the compiled JAX steps (private_grad, PrivateStep, train, "
                          "private_optimizer) are built for one fixed mechanism; clip schedules "

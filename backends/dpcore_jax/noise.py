@@ -34,6 +34,7 @@ import numpy as np
 from jax import lax
 
 from dpcore import aggregation
+from dpcore.secure import SecureGenerator
 
 from .names import named_leaves
 
@@ -133,8 +134,13 @@ class NoiseSource:
 
     def __call__(self, key, params):
         """``(next_key, source)``: ``(None, key)`` when the step draws (it returns the next
-        key), else the key after the separate draws and the list of normals."""
+        key), else the key after the separate draws and the list of normals; for a
+        ``secure`` aggregator's generator, the normals drawn from the system's CSPRNG on the
+        host (:mod:`dpcore.secure`), whatever their number."""
         plan = self.plan(params)
+        if isinstance(key, SecureGenerator):
+            return key, [jnp.asarray(key.standard_normal(math.prod(shape)).reshape(shape),
+                                     dtype) for shape, dtype in plan]
         if sum(math.prod(shape) for shape, _ in plan) < SEPARATE_DRAW:
             return None, key
         return _draw_all(key, plan)

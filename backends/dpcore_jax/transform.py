@@ -114,6 +114,8 @@ def _release_fn(aggregator, ledger: _Ledger):
     from the compiled program before the mean can exist; under ``on_nonfinite="raise"`` a
     release with ``nonfinite`` > 0 fails instead."""
     check_aggregator(aggregator)
+    aggregator.require_backend_generator("the private optax transformations "
+                                         "(private_optimizer, private_aggregate)")
     mechanism = aggregator.mechanism
     expected_size = aggregator.expected_size
 

@@ -472,18 +472,29 @@ def test_the_main_job_runs_with_the_jax_backend(tmp_path, capsys, load_example):
     assert sum(s.count for s in steps) == 2 * 22  # round(1437 / 64) steps per epoch
 
 
-def test_a_secure_aggregator_is_refused_by_the_compiled_steps_and_served_by_private_gradient():
-    """secure=True draws noise on the host: the compiled steps (their noise drawn in the
-    program) refuse it; backend.private_gradient adds the noise the ledger records (zero
-    gradients; a 10% error fails)."""
+def test_a_secure_aggregator_gets_host_noise_in_the_compiled_steps():
+    """secure=True draws the noise on the host from the system's CSPRNG: private_grad and
+    backend.private_gradient add the noise the ledger records (zero gradients; a 10% error
+    fails); the optax transformations, which draw in the program, refuse it."""
+    from dpcore_jax import private_grad, private_optimizer
+
     agg = dpcore.PrivateAggregator(dpcore.flat(["w"], 1.0, 3.0), n=100, q=0.5, backend="jax",
                                    secure=True)
     with pytest.raises(ValueError, match="secure=True"):
-        PrivateStep(lambda p, b: jnp.sum(p["w"] * b, axis=1), optax.sgd(0.1), agg)
-    agg.sample()
-    grads = dpcore.get_backend("jax").private_gradient(
-        lambda p, b: jnp.sum(p["w"] * 0 * b, axis=1), {"w": jnp.zeros(50_000)},
-        jnp.ones((7, 50_000)), agg)
-    event = next(e for e in agg.ledger.events if isinstance(e, SumQueryEvent))
-    std = float(jnp.std(grads["w"])) * agg.expected_size
-    assert grads["w"].dtype == jnp.float32 and abs(std / event.noise_std - 1) < 0.03
+        private_optimizer(optax.sgd(0.1), agg)
+    loss = lambda p, b: jnp.sum(p["w"] * 0 * b, axis=1)  # noqa: E731
+    params, batch = {"w": jnp.zeros(50_000)}, jnp.ones((7, 50_000))
+    grad_fn = private_grad(loss, agg)
+    for grads in (dpcore.get_backend("jax").private_gradient(loss, params, batch,
+                                                             _begun(agg)),
+                  grad_fn(params, batch), grad_fn(params, batch)):
+        std = float(jnp.std(grads["w"])) * agg.expected_size
+        assert grads["w"].dtype == jnp.float32 and abs(std / 3.0 - 1) < 0.03
+    first, second = grad_fn(params, batch), grad_fn(params, batch)
+    assert not jnp.array_equal(first["w"], second["w"])  # fresh noise every step
+    assert sum(isinstance(e, SumQueryEvent) for e in agg.ledger.events) == 5
+
+
+def _begun(aggregator):
+    aggregator.sample()
+    return aggregator
