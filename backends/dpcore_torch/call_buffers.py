@@ -32,15 +32,18 @@ class CallBuffers:
         keep = now if self.changing is None else {k: now[k] for k in self.changing if k in now}
         return versions, {key: t.detach().clone() for key, t in keep.items() if t is not None}
 
-    def after(self, versions, copies) -> tuple[dict, set]:
-        """After the call: (the values before it of the buffers it changed, the keys of those
-        with no copy from before, whose values are the call's), to replay it from."""
+    def after(self, versions, copies) -> tuple[dict, set, dict]:
+        """After the call: (the values before it of the buffers it changed, to replay it
+        from; the keys of those with no copy from before, whose values are then the call's;
+        copies of the values the call left them, which the replay of each example must
+        leave too)."""
         now = buffers(self.module)
         changed = {key for key, t in now.items() if t is not None and (
             key not in versions or versions[key][0] is not t or versions[key][1] != t._version)}
         self.changing = changed if self.changing is None else self.changing | changed
-        return ({key: copies[key] if key in copies else now[key].detach().clone()
-                 for key in changed}, changed - copies.keys())
+        end = {key: now[key].detach().clone() for key in changed}
+        return ({key: copies.get(key, end[key]) for key in changed}, changed - copies.keys(),
+                end)
 
     def _names(self) -> dict:
         return {id(m): prefix for prefix, m in self.module.named_modules()}
@@ -49,6 +52,10 @@ class CallBuffers:
         """The buffers ``keys`` by their names in the module."""
         names = self._names()
         return sorted(f"{names[m]}.{name}" if names.get(m) else name for m, name in keys)
+
+    def holders(self) -> dict:
+        """{id(module): module} of the module and its descendants."""
+        return {id(m): m for m in self.module.modules()}
 
     def by_name(self, values: dict) -> dict:
         """Copies of ``values`` (keys of :func:`buffers`) by their names in the module, for

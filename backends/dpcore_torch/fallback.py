@@ -68,17 +68,18 @@ def _replay():
 class Call:
     """One call of a fallback module: positional args, keyword args, the random draws made in
     it (:mod:`dpcore_torch.draws`) and where it lost track of its rows (:mod:`dpcore_torch.
-    rows`; ``draws`` is the pair), the buffers it changed as they were before it and those it
-    changed that were not kept (:mod:`dpcore_torch.call_buffers`; ``buffers`` is the pair),
+    rows`; ``draws`` is the pair), the buffers it changed as they were before it, those it
+    changed that were not kept, and as it left them (:mod:`dpcore_torch.call_buffers`;
+    ``buffers`` is the triple),
     its taps, and the backprops of its floating-point tensor outputs (None until the backward
     pass reaches them)."""
 
-    __slots__ = ("args", "kwargs", "draws", "lost", "start", "unkept", "taps", "outputs", "g",
-                 "cache", "born", "reached_at")
+    __slots__ = ("args", "kwargs", "draws", "lost", "start", "unkept", "end", "taps",
+                 "outputs", "g", "cache", "born", "reached_at")
 
     def __init__(self, args, kwargs, draws, buffers, taps, n_outputs):
         (self.draws, self.lost), self.args, self.kwargs, self.taps = draws, args, kwargs, taps
-        self.start, self.unkept = buffers
+        self.start, self.unkept, self.end = buffers
         self.outputs = [None] * n_outputs  # copies of the outputs, checked by the replay
         self.g = [None] * n_outputs
         self.cache = None
@@ -87,7 +88,7 @@ class Call:
     def release(self) -> None:
         """Drop the tensors (output hooks may still hold this object)."""
         self.args, self.kwargs, self.draws, self.g, self.cache = (), {}, [], [], None
-        self.start = {}
+        self.start = self.end = {}
         self.taps, self.outputs = None, []
 
     def keep_rows(self, keep) -> None:
@@ -238,7 +239,8 @@ class FallbackUnit:
         rows.share_all(stops.values())
         share(stops.values())  # to the enclosing units' calls too
         self._depth, draws = 1, []
-        versions, copies = self._buffers.before()
+        with unobserved():  # dpcore's copies, not operations of an enclosing unit
+            versions, copies = self._buffers.before()
         try:
             with Recording(draws, rows, taps):
                 out = plain(*args, **kwargs)
@@ -246,7 +248,8 @@ class FallbackUnit:
             self._depth = 0
             for holder, attr, p in swapped:
                 holder._parameters[attr] = p
-        buffers = self._buffers.after(versions, copies)
+        with unobserved():
+            buffers = self._buffers.after(versions, copies)
         return self._record(args, kwargs, (draws, rows), buffers, taps, out)
 
     def _record(self, args, kwargs, draws, buffers, taps, out):
@@ -316,6 +319,25 @@ class FallbackUnit:
                 f"so each example's gradient would depend on the others and clipping would "
                 f"not bound it. Such a module cannot be trained privately")
 
+    def _check_buffers(self, call, drifts) -> None:
+        """Refuse a module whose call leaves a buffer that the replay of one example does not
+        leave the same (to 1e-4 of its largest value): the buffer holds a statistic of the
+        batch (a running mean of the inputs), which later steps would read without noise.
+        Buffers updated from the weights alone (spectral_norm's u and v, a count) pass."""
+        if not call.end:
+            return
+        scale = max(float(t.abs().max()) if t.numel() else 0.0 for t in call.end.values())
+        bad = ~(drifts <= 1e-4 * scale + 1e-30)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise NotPerExampleError(
+                f"{type(self.module).__name__}'s forward pass leaves its buffers "
+                f"{self._buffers.names(call.end)} otherwise than its replay on example {i} "
+                f"alone does (by {float(drifts[i]):.3g}, against {scale:.3g}): they hold a "
+                f"statistic of the batch (a running mean of the inputs, say), which the "
+                f"model keeps and later steps read without noise. Compute it without the "
+                f"training records, or keep it out of the trained model")
+
     @staticmethod
     def _keeper(call, k):
         def keep(g):
@@ -338,7 +360,10 @@ class FallbackUnit:
         if call.cache is not None:
             return call.cache
         params = {k: self.module.get_parameter(k).detach() for k in self.names}
-        slots = {slot: params[key] for slot, (_, _, key) in self._slots.items()}
+        # copies: a replay that changes a parameter in place (a clamp, an initialisation
+        # from the example) must not change the model's
+        copies = {k: p.clone() for k, p in params.items()}
+        slots = {slot: copies[key] for slot, (_, _, key) in self._slots.items()}
         b = call.batch_size
         dtype = next(iter(params.values())).dtype
         tapped = None if call.taps is None else call.taps.grads(dtype)
@@ -357,6 +382,20 @@ class FallbackUnit:
                 f"sizes ({sizes}); dpcore needs the examples on axis 0 of every positional "
                 f"input (batch_first=True)")
         module, args, name = self.module, list(call.args), type(self.module).__name__
+        # the buffers the call changed, as each example's replay leaves them (a forward hook:
+        # functional_call puts the module's own back on return) against as the call left them
+        ends, holders, left = list(call.end.items()), self._buffers.holders(), []
+
+        def read(_, __, ___):
+            left.append([holders[m]._buffers.get(key) for (m, key), _ in ends])
+
+        def drift(index):
+            worst = index.new_zeros((), dtype=dtype)
+            for got, (_, want) in zip(left.pop() if left else [], ends):
+                if got is None or got.shape != want.shape:
+                    return index.new_full((), float("inf"), dtype=dtype)
+                worst = torch.maximum(worst, (got.detach().to(dtype) - want.to(dtype)).abs().max())
+            return worst
 
         def inner(p, tensors, split, backprops, index, start):
             full = list(args)
@@ -384,7 +423,7 @@ class FallbackUnit:
                     scale = torch.maximum(scale, row.abs().max())
             loss = sum((o * g.unsqueeze(0)).sum() for o, g in zip(out, backprops)
                        if g is not None)
-            return loss, (deviation, scale)
+            return loss, (deviation, scale, drift(index))
 
         # replayed in the parameters' precision (inputs and backprops of an autocast forward
         # may be lower), as the layer rules form their gradients
@@ -395,10 +434,11 @@ class FallbackUnit:
         # the buffers the call changed (spectral_norm's u and v) as they were before it, in
         # copies: the module's stay as the forward pass left them
         start = self._buffers.by_name(call.start)
+        hook = module.register_forward_hook(read) if ends else None
         with torch.no_grad(), warnings.catch_warnings():  # the result is data, no graph
             warnings.filterwarnings("ignore", "There is a performance drop")  # expected here
             try:
-                by_slot, (deviation, scale) = vmap(grad(inner, has_aux=True),
+                by_slot, (deviation, scale, drifts) = vmap(grad(inner, has_aux=True),
                                                    in_dims=(None, 0, 0, dims, 0, None))(
                     slots, tensors, split, backprops, torch.arange(b, device=tensors[0].device),
                     start)
@@ -406,14 +446,15 @@ class FallbackUnit:
                 raise
             except RuntimeError as error:
                 if "being vmapped over but `self` not being vmapped over" in str(error):
-                    raise NotPerExampleError(
-                        f"{name} changes a tensor that every example shares (a parameter, a "
-                        f"buffer or an attribute) in place with values computed from the "
-                        f"batch, such as a data-dependent initialisation (ActNorm) or a "
-                        f"running statistic: the batch's records would reach later steps "
-                        f"without noise, and each example's gradient would depend on the "
-                        f"others. Initialise from public data, or compute the statistic "
-                        f"without the training records ({error})") from error
+                    raise RuntimeError(
+                        f"{name} writes values computed from the examples in place into a "
+                        f"tensor that is not one per example ({error}). If that tensor is "
+                        f"made in the forward pass (torch.zeros(B, ...) filled row by row), "
+                        f"make it from the input (x.new_zeros(...)) or build the result out "
+                        f"of place (torch.stack). If it is a parameter, buffer or attribute "
+                        f"(a data-dependent initialisation such as ActNorm's, a running "
+                        f"statistic), the batch's records would reach later steps without "
+                        f"noise: initialise from public data instead") from error
                 raise RuntimeError(
                     f"torch.func could not form per-example gradients of {name} ({error}). "
                     f"dpcore replays a layer it has no rule for one example at a time under "
@@ -422,7 +463,12 @@ class FallbackUnit:
                     f"dropout, rand, randn, bernoulli, uniform_, normal_) and fused kernels "
                     f"(of RNN, GRU and LSTM, which have a rule in mode='auto') do "
                     f"not") from error
+            finally:
+                if hook is not None:
+                    hook.remove()
+                left.clear()
         self._check_replay(call, deviation, scale)
+        self._check_buffers(call, drifts)
         call.cache = dict.fromkeys(self.names, 0)
         for slot, (_, _, key) in self._slots.items():  # a parameter's slots add up
             call.cache[key] = call.cache[key] + by_slot[slot]

@@ -196,9 +196,9 @@ class Probe:
             return
         self._remove()
         self.state = "waiting"
-        self._before.keep_changed_parameters()
         # unseen by a recording fallback call around it (the model's own, say)
         with torch._C.DisableTorchFunction(), unobserved():
+            self._before.keep_changed_parameters()
             sizes = {call.batch_size for unit in self.units
                      for call in unit.calls[self._counts[id(unit)]:]}
             if len(sizes) != 1 or next(iter(sizes)) < 2:
@@ -297,6 +297,11 @@ class Probe:
         before, first, self._before, self._first = self._before, self._first, None, None
         self.state = "done"
         try:
+            reason = before.unrestorable()
+            if reason is not None:
+                _forward_unchecked(module, f"{reason}, so it cannot be run again from where it "
+                                   f"began", stacklevel=3)
+                return
             self._left = None
             for split in range(SPLITS):
                 if not self._rerun_split(module, before, first, split):

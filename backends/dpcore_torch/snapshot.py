@@ -70,9 +70,10 @@ def _same(a, c) -> bool:
 
 
 class Snapshot:
-    """What a forward pass of ``module`` started from: its inputs (copies), the parameters
-    (copies, until the pass has shown which it changes in place), random state, buffers, the
-    modules' own generators, training modes and autocast."""
+    """What a forward pass of ``module`` started from: its inputs (copies), the trainable
+    parameters (copies, until the pass has shown which it changes in place) and the frozen
+    ones' versions, random state, buffers, the modules' own generators, training modes and
+    autocast."""
 
     def __init__(self, module, args, kwargs):
         self.inputs = _rebuilt((args, kwargs), _kept)
@@ -80,7 +81,9 @@ class Snapshot:
         self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         self.buffers = buffers(module, copy=True)
         self.generators = _generators(module)
-        self.parameters = [(p, p._version, p.detach().clone()) for p in module.parameters()]
+        self.parameters = [(p, p._version, p.detach().clone() if p.requires_grad else None)
+                           for p in module.parameters()]
+        self.ended: list = []  # every parameter's version at the end of the pass
         self.training = [m.training for m in module.modules()]
         self.autocast = [(d, torch.get_autocast_dtype(d), torch.is_autocast_enabled(d))
                          for d in _AUTOCAST_DEVICES]
@@ -88,8 +91,22 @@ class Snapshot:
     def keep_changed_parameters(self) -> None:
         """At the end of the pass: drop the copies of the parameters it did not change in
         place (most passes change none; one may clamp a weight, or initialise one from the
-        batch, which a rerun must do again from where the pass began)."""
-        self.parameters = [(p, v, t) for p, v, t in self.parameters if p._version != v]
+        batch, which a rerun must do again from where the pass began). A change through
+        ``.data``, which no version counter sees, is found by comparing values."""
+        self.ended = [(p, p._version) for p, _, _ in self.parameters]
+        self.parameters = [(p, v, t) for p, v, t in self.parameters if p._version != v or (
+            t is not None and not torch.equal(p.detach(), t))]
+
+    def unrestorable(self) -> str | None:
+        """Why the pass cannot be run again from where it began, if it cannot: a frozen
+        parameter it changed (not copied), or parameters changed since it ended (an
+        optimizer step before the engine's ``clear()``)."""
+        if any(t is None for _, _, t in self.parameters):
+            return "the pass changes a frozen parameter in place"
+        if any(p._version != v for p, v in self.ended):
+            return ("its parameters changed after the pass (an optimizer step before the "
+                    "engine's clear(); clear it first, as make_private's optimizer does)")
+        return None
 
     def replaced(self, b: int, kept, factor: float = 1.0):
         """((args, kwargs) with every row outside ``kept`` of every input of b rows (a tensor

@@ -758,6 +758,70 @@ def test_a_pass_that_changes_parameters_runs_again_from_where_it_began(form):
     assert all(map(torch.equal, *results))
 
 
+class InitialisedThroughData(nn.Module):
+    """ActNorm as glow implementations write it: the bias set from the batch through
+    ``.data`` (no version counter moves) on the first call, a Python flag after."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer, self.done = nn.Linear(5, 3), False
+
+    def forward(self, x):
+        if not self.done:
+            self.layer.bias.data.copy_(-(x @ self.layer.weight.t()).mean(0).detach())
+            self.done = True
+        return self.layer(x)
+
+
+def test_an_initialisation_from_the_batch_through_data_is_refused():
+    torch.manual_seed(0)
+    model = InitialisedThroughData()
+    with pytest.raises(NotPerExampleError, match="changed in the rows"):
+        first_step(model, PerExampleEngine(model), torch.randn(6, 5))
+
+
+class ClampsItsOwn(nn.Module):
+    """A fallback module (a parameter of its own) that clamps it in its forward pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain, self.layer = nn.Parameter(torch.full((5,), 2.0)), nn.Linear(5, 3)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.gain.clamp_(-0.5, 0.5)
+        return self.layer(x * self.gain)
+
+
+def test_the_replay_changes_no_parameter_and_a_step_before_clear_is_reported():
+    """The fallback's replay clamps copies, not the model's parameters (so the check sees
+    no parameter changed after the pass through make_private); an optimizer step before
+    the engine's clear() is reported, not taken for mixing."""
+    data = TensorDataset(torch.randn(64, 5), torch.randint(0, 3, (64,)))
+    torch.manual_seed(0)
+    model = ClampsItsOwn()
+    model, optimizer, loader = make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=16),
+        noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    assert optimizer.engine._probe.checked == 2
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    engine, sgd = PerExampleEngine(model), torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(6, 5)).square().sum().backward()
+    grads = engine.per_example_grads()
+    for name, p in model.named_parameters():
+        p.grad = grads[name].sum(0)
+    sgd.step()
+    with pytest.warns(UserWarning, match="optimizer step before the engine's clear"):
+        engine.clear()
+
+
 class Packed(nn.Module):
     """An LSTM over sequences packed by length: the PackedSequence's sorting indices are a
     permutation of the batch, not rows of examples."""

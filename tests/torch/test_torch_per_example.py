@@ -943,6 +943,34 @@ def test_a_buffer_first_changed_in_a_later_call_is_named_when_the_replay_differs
         engine.per_example_grads()
 
 
+class RunningCentre(nn.Module):
+    """Centres its input by a running mean of the inputs it has seen, kept in a buffer that
+    is replaced at every training call."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, n) / n)
+        self.register_buffer("mean", torch.zeros(n))
+
+    def forward(self, x):
+        out = (x - self.mean) @ self.weight
+        self.mean = 0.9 * self.mean + 0.1 * x.mean(0).detach()
+        return out
+
+
+@pytest.mark.parametrize("mode", ["auto", "vmap"])
+def test_a_running_statistic_of_the_batch_in_a_buffer_is_refused(mode):
+    """Read before it is updated, the statistic leaves the call's output per example; the
+    buffer it leaves is not what one example's replay leaves: refused, without the
+    independence check too (the batch's records would reach later steps without noise)."""
+    torch.manual_seed(18)
+    model = nn.Sequential(RunningCentre(5), nn.Linear(5, 3)).double()
+    engine = PerExampleEngine(model, loss_reduction="sum", mode=mode, check_independence=False)
+    model(torch.randn(6, 5, dtype=torch.float64)).sum().backward()
+    with pytest.raises(NotPerExampleError, match=r"leaves its buffers \[.*mean'\]"):
+        engine.per_example_grads()
+
+
 class ActNorm(nn.Module):
     """Glow's ActNorm: the first training call sets the shift from the batch's mean."""
 
@@ -961,13 +989,13 @@ class ActNorm(nn.Module):
 
 def test_a_data_dependent_initialisation_in_a_fallback_is_refused():
     """Replayed from its buffers before the call, the initialisation runs again, from one
-    example: refused with what it is (it was replayed from the initialised state, and the
-    batch's mean trained unnoticed, with the independence check off)."""
+    example: refused, naming it (it was replayed from the initialised state, and the batch's
+    mean trained unnoticed, with the independence check off)."""
     torch.manual_seed(17)
     model = nn.Sequential(ActNorm(5), nn.Linear(5, 3)).double()
     engine = PerExampleEngine(model, loss_reduction="sum", check_independence=False)
     model(torch.randn(6, 5, dtype=torch.float64)).sum().backward()
-    with pytest.raises(NotPerExampleError, match="data-dependent initialisation"):
+    with pytest.raises(RuntimeError, match="data-dependent initialisation"):
         engine.per_example_grads()
 
 
