@@ -1,6 +1,8 @@
-"""The buffers a fallback module's forward pass changes, kept as they were at each call, so
-that the per-example replay of the call (:mod:`dpcore_torch.fallback`) runs from them and
-leaves the module's buffers as the forward pass left them.
+"""The buffers a fallback module's forward pass changes, kept as they were before each call
+and as it left them: the per-example replay of the call (:mod:`dpcore_torch.fallback`) runs
+from the first, in copies (the module's buffers stay as the forward pass left them), and must
+leave the second (a buffer that depends on the batch, a running mean of the inputs, would
+carry its records to later steps).
 
 A forward pass may change buffers that depend on the weights only: ``spectral_norm``'s power
 iteration updates its vectors u and v at every training call, a layer may count its calls.
