@@ -29,7 +29,7 @@ from .noise import NoiseDraws
 from .plugins import get_backend
 from .budget import BudgetExhaustedError, PrivacyBudget
 from .queries import Mechanism, effective_noise_multiplier
-from .secure import SecureGenerator, SecurePoissonSampler, secure_standard_normal
+from .secure import SecureGenerator, SecurePoissonSampler, SecureStandardNormal
 
 
 class FixedClipping:
@@ -88,7 +88,7 @@ class PrivateAggregator:
                                  f"a seed would make the noise predictable")
             self.sampler = SecurePoissonSampler(self.n, self.q)
             self.rng = SecureGenerator()
-            self.standard_normal = secure_standard_normal(self.backend)
+            self.standard_normal = SecureStandardNormal(self.backend)
         else:
             sampling_seed, noise_seed = np.random.SeedSequence(seed).spawn(2)
             self.sampler = self.backend.poisson_sampler(self.n, self.q, seed=sampling_seed)

@@ -55,6 +55,12 @@ class Backend(abc.ABC):
         generator state to use next (stateful generators are returned as they are). ``noise``
         is a new array the caller owns: it may be updated in place."""
 
+    def is_traced(self, x) -> bool:
+        """Whether ``x`` is an abstract value of a compiler's trace (``jax.jit``,
+        ``tf.function``) rather than data: host values computed from it would be baked into
+        the traced program."""
+        return False
+
     def poisson_sampler(self, n: int, q: float, *, seed=None) -> PoissonSampler:
         """The sampler this backend's data pipeline draws batches with: Poisson sampling of
         rate ``q`` over ``n`` records (``sample()`` gives sorted indices, possibly none).

@@ -7,16 +7,22 @@ noise off a released gradient. ``PrivateAggregator(..., secure=True)`` draws bot
 :func:`os.urandom` instead (``getrandom``: ChaCha20 on Linux), as Opacus's ``secure_mode``
 draws from a CSPRNG:
 
-* Poisson sampling: record i is in the sample iff u_i < q, for u_i uniform on the 2^53 points
-  k 2^-53 (53 random bits each): P(u_i < q) = ceil(q 2^53) 2^-53, within 2^-53 of q;
-* noise: N(0, 1) as Phi^-1(u) for u = (k + 1/2) 2^-53 (``scipy.special.ndtri``, in float64),
-  rounded to the parameters' dtype and scaled by each leaf's standard deviation.
+* Poisson sampling: the gaps between the records drawn are geometric, G = floor(ln V /
+  ln(1 - q)) with V uniform on the 2^53 points k 2^-53 of (0, 1], so that P(G >= g) =
+  (1 - q)^g to within 2^-53 and a sample costs O(q n) draws (for q >= 1/4, record i is drawn
+  iff its own uniform u_i < q);
+* noise: N(0, 1) as s Phi^-1(u) for a random sign s and u = (2k + 1) 2^-54, k uniform in
+  [0, 2^52) (``scipy.special.ndtri``, float64: every such u is exact, so both halves of the
+  distribution are alike and no value is infinite; |z| <= 8.3), rounded to the parameters'
+  dtype and scaled by each leaf's standard deviation.
 
 Such a generator cannot be seeded (a seed would make it predictable again). What it does not
 address: a Gaussian sampled in floating point is not exactly Gaussian, and its rounding can
 leak a little (Mironov 2012 for the Laplace mechanism; Jin et al. 2022 for Gaussian
 samplers); an exact discrete Gaussian on a grid would. It costs about 8 bytes of the
-system's generator and one ``ndtri`` per value (measured in docs/aggregation.md).
+system's generator and one ``ndtri`` per value (measured in docs/aggregation.md). Arrays under
+a compiler's trace (``jax.jit``) are refused: the host's noise would be baked into the program
+and reused at every call.
 """
 
 from __future__ import annotations
@@ -24,18 +30,22 @@ from __future__ import annotations
 import os
 
 import numpy as np
+from array_api_compat import device, to_device
 from scipy.special import ndtri
 
 from .sampling import PoissonSampler
 
-_BITS = 53
-_SCALE = 2.0 ** -_BITS
+_SCALE = 2.0 ** -53
+
+
+def _words(size: int) -> np.ndarray:
+    """``size`` uniform 64-bit words from the system's CSPRNG."""
+    return np.frombuffer(os.urandom(8 * size), dtype=np.uint64)
 
 
 def _uniform(size: int) -> np.ndarray:
-    """``size`` float64 values k 2^-53, k uniform in [0, 2^53), from the system's CSPRNG."""
-    words = np.frombuffer(os.urandom(8 * size), dtype=np.uint64)
-    return (words >> np.uint64(64 - _BITS)).astype(np.float64) * _SCALE
+    """``size`` float64 values k 2^-53, k uniform in [0, 2^53)."""
+    return (_words(size) >> np.uint64(11)).astype(np.float64) * _SCALE
 
 
 class SecureGenerator:
@@ -46,9 +56,12 @@ class SecureGenerator:
         return _uniform(size)
 
     def standard_normal(self, size: int) -> np.ndarray:
-        """``size`` float64 N(0, 1) values: Phi^-1 at the midpoints (k + 1/2) 2^-53, which
-        are never 0 or 1."""
-        return ndtri(_uniform(size) + _SCALE / 2)
+        """``size`` float64 N(0, 1) values: s Phi^-1((2k + 1) 2^-54), the sign s from a word's
+        top bit and k from its next 52 (every midpoint of the lower half, exactly)."""
+        words = _words(size)
+        half = ((words >> np.uint64(11)) & np.uint64((1 << 52) - 1)).astype(np.float64)
+        z = ndtri((2 * half + 1) * (_SCALE / 2))  # < 0
+        return np.where(words >> np.uint64(63), -z, z)
 
     def __repr__(self) -> str:
         return "SecureGenerator(os.urandom)"
@@ -63,21 +76,42 @@ class SecurePoissonSampler(PoissonSampler):
         self._rng = SecureGenerator()
 
     def sample(self) -> np.ndarray:
-        return np.flatnonzero(self._rng.uniform(self.n) < self.q)
+        n, q = self.n, self.q
+        if q >= 0.25:
+            return np.flatnonzero(self._rng.uniform(n) < q)
+        log_miss, drawn, last = np.log1p(-q), [], -1
+        while True:  # geometric gaps, in batches sized for the records left
+            v = self._rng.uniform(int(1.1 * q * (n - last)) + 16) + _SCALE  # (0, 1]
+            found = last + np.cumsum(np.floor(np.log(v) / log_miss) + 1)
+            drawn.append(found[found < n].astype(np.int64))
+            if found[-1] >= n:
+                return np.concatenate(drawn)
+            last = int(found[-1])
 
 
-def secure_standard_normal(backend):
-    """A ``standard_normal(rng, shape, like)`` for ``backend`` (the contract's signature) that
-    draws from the system's CSPRNG (``rng`` a :class:`SecureGenerator`) and returns a new
-    backend array with ``like``'s dtype and device."""
-    from array_api_compat import device, to_device
+class SecureStandardNormal:
+    """``standard_normal(rng, shape, like)`` of the backend contract for ``backend``, drawing
+    from the system's CSPRNG (``rng`` a :class:`SecureGenerator`): a new backend array of
+    ``like``'s floating dtype (float64 for other dtypes) on ``like``'s device."""
 
-    def standard_normal(rng, shape, like):
-        xp = backend.namespace()
+    def __init__(self, backend):
+        self.backend = backend
+
+    def __call__(self, rng, shape, like):
+        if self.backend.is_traced(like):
+            raise RuntimeError(
+                "a secure aggregator draws its noise on the host, and cannot release inside "
+                "a compiled trace (jax.jit, tf.function): the noise drawn at tracing would be "
+                "reused by every call of the program. Release outside the trace, or use the "
+                "backend's compiled steps, which take the host's noise as an input")
         size = int(np.prod(shape, dtype=np.int64))
         noise = rng.standard_normal(size).reshape(tuple(shape))
-        dtype = like.dtype if xp.isdtype(like.dtype, "real floating") else xp.float32
-        out = xp.astype(backend.asarray(noise), dtype)
-        return rng, to_device(out, device(like))
-
-    return standard_normal
+        name = getattr(like.dtype, "name", None) or str(like.dtype).rsplit(".", 1)[-1]
+        out = self.backend.asarray(noise, name if "float" in name else None)  # torch.float16
+        where = device(like)
+        if device(out) != where:
+            try:
+                out = to_device(out, where)
+            except AttributeError:  # TensorFlow's tensors: its operations copy them
+                pass
+        return rng, out

@@ -4,6 +4,7 @@ crosses with probability below 1e-6, and a 10% error in a standard deviation or 
 would cross."""
 
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from scipy import stats
 
 from dpcore import PrivateAggregator, flat
 from dpcore.ledger import SumQueryEvent
+from dpcore import secure
 from dpcore.secure import SecureGenerator, SecurePoissonSampler
 
 
@@ -29,8 +31,26 @@ def test_uniforms_lie_on_the_53_bit_grid():
     assert stats.kstest(u, "uniform").pvalue > 1e-6
 
 
-def test_poisson_samples_include_each_record_with_probability_q():
-    n, q, draws = 500, 0.1, 400
+def test_normals_are_symmetric_and_finite_at_the_extremes(monkeypatch):
+    """The sign from the top bit, the lower half's midpoints (2k + 1) 2^-54 from the next
+    52: the extreme words give +-8.29 and +-1.4e-16, never an infinity."""
+    words = np.array([0, 1 << 63, (1 << 63) - 1, (1 << 64) - 1], np.uint64)
+    monkeypatch.setattr(secure, "_words", lambda size: words[:size])
+    z = SecureGenerator().standard_normal(4)
+    assert np.isfinite(z).all() and z[0] == -z[1] and z[2] == -z[3]
+    assert z[0] == pytest.approx(-8.2924, abs=1e-4) and abs(z[2]) < 1e-15
+
+
+def test_a_secure_aggregator_pickles():
+    agg = pickle.loads(pickle.dumps(PrivateAggregator(flat(["w"], 1.0, 1.0), n=10, q=0.5,
+                                                      secure=True)))
+    agg.sample()
+    assert agg.release({"w": np.zeros((3, 4))})["w"].shape == (4,)
+
+
+@pytest.mark.parametrize("q", [0.1, 0.5])  # geometric gaps; one uniform per record
+def test_poisson_samples_include_each_record_with_probability_q(q):
+    n, draws = 500, 400
     sampler = SecurePoissonSampler(n, q, steps=draws)
     counts = np.zeros(n)
     sizes = []

@@ -92,6 +92,9 @@ class JaxBackend(contract.Backend):
     def to_numpy(self, x):
         return np.array(x, copy=True)
 
+    def is_traced(self, x) -> bool:
+        return isinstance(x, jax.core.Tracer)
+
     def rng(self, seed: int | None = None):
         return make_key(seed)
 

@@ -56,6 +56,9 @@ class TensorFlowBackend(Backend):
     def asarray(self, x, dtype=None):
         return tf.convert_to_tensor(np.asarray(x), dtype=dtype)
 
+    def is_traced(self, x) -> bool:
+        return tf.is_tensor(x) and tf.is_symbolic_tensor(x)
+
     def to_numpy(self, x):
         if isinstance(x, (tf.Tensor, tf.Variable)):
             return np.array(x.numpy(), copy=True)

@@ -493,6 +493,9 @@ def test_a_secure_aggregator_gets_host_noise_in_the_compiled_steps():
     first, second = grad_fn(params, batch), grad_fn(params, batch)
     assert not jnp.array_equal(first["w"], second["w"])  # fresh noise every step
     assert sum(isinstance(e, SumQueryEvent) for e in agg.ledger.events) == 5
+    agg.sample()  # a release under the user's jit would bake one draw into the program
+    with pytest.raises(RuntimeError, match="cannot release inside a compiled trace"):
+        jax.jit(lambda s: agg.release_sums({"w": s}))(jnp.zeros(3))
 
 
 def _begun(aggregator):

@@ -353,12 +353,25 @@ def test_fit_takes_a_dict_of_inputs():
     assert private.aggregator.ledger.steps() == [dpcore.Step(0.2, 1.0, 3)]
 
 
-def test_a_secure_aggregator_is_refused_by_the_graph_step():
-    """secure=True draws noise on the host; PrivateGradients draws it in graph."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_secure_aggregator_is_served_by_private_gradient_and_refused_by_the_graph_step(
+        dtype):
+    """secure=True draws noise on the host: backend.private_gradient adds the noise the
+    ledger records (zero gradients; a 10% error fails), in the variables' dtype;
+    PrivateGradients, which draws it in graph, refuses it."""
     keras = pytest.importorskip("keras")
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     agg = dpcore.PrivateAggregator(dpcore.flat([v.path for v in model.trainable_variables],
-                                               1.0, 1.0), n=10, q=0.5, backend="tensorflow",
+                                               1.0, 3.0), n=10, q=0.5, backend="tensorflow",
                                    secure=True)
     with pytest.raises(ValueError, match="secure=True"):
         PrivateGradients(model, keras.losses.MeanSquaredError(reduction=None), agg)
+    agg = dpcore.PrivateAggregator(dpcore.flat(["w"], 1.0, 3.0), n=100, q=0.5,
+                                   backend="tensorflow", secure=True)
+    agg.sample()
+    w = tf.zeros(50_000, dtype=dtype)
+    grads = dpcore.get_backend("tensorflow").private_gradient(
+        lambda p, b: tf.reduce_sum(p["w"] * 0 * b, axis=1), {"w": w},
+        tf.ones((7, 50_000), dtype=dtype), agg)
+    std = float(tf.math.reduce_std(tf.cast(grads["w"], tf.float64))) * agg.expected_size
+    assert grads["w"].dtype == w.dtype and abs(std / 3.0 - 1) < 0.03
