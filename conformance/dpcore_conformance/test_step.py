@@ -77,16 +77,20 @@ def test_one_record_contributes_at_most_the_clip_bound(backend, convert):
 STEPS = 60
 
 
-def noise_run(backend, convert, seed=0):
-    """STEPS empty-batch steps (legal under Poisson sampling): the output is pure noise."""
+def noise_run(backend, convert, seed=0, secure=False):
+    """STEPS empty-batch steps (legal under Poisson sampling): the output is pure noise
+    (``secure``: the system's CSPRNG's, unseeded, which the backend must add as it adds its
+    own generator's)."""
     problem = tanh_mlp(batch=0, dim=50, hidden=200)
-    agg = PrivateAggregator(mechanism(), n=N_RECORDS, q=RATE, backend=backend, seed=seed)
+    agg = PrivateAggregator(mechanism(), n=N_RECORDS, q=RATE, backend=backend,
+                            seed=None if secure else seed, secure=secure)
     outs = [step(backend, convert, problem, None, aggregator=agg)[1] for _ in range(STEPS)]
     return agg, outs
 
 
-def test_step_noise_has_the_standard_deviation_the_ledger_records(backend, convert):
-    agg, outs = noise_run(backend, convert)
+@pytest.mark.parametrize("secure", [False, True])
+def test_step_noise_has_the_standard_deviation_the_ledger_records(backend, convert, secure):
+    agg, outs = noise_run(backend, convert, secure=secure)
     recorded = {e.group: e.noise_std for e in agg.ledger.events if isinstance(e, SumQueryEvent)}
     mech = agg.mechanism
     for group in mech.groups:
