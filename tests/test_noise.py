@@ -156,13 +156,13 @@ def test_small_leaves_share_draws_of_bounded_size(monkeypatch):
     like = {f"l{k}": np.zeros(size) for k in range(per_group + 2)}
     agg = aggregator(Mechanism((Group("all", tuple(like), clip=1.0, noise_std=1.0),)))
     calls = []
-    draw = agg.backend.standard_normal
+    draw = agg.standard_normal
 
     def counted(rng, shape, like_):
         calls.append(shape)
         return draw(rng, shape, like_)
 
-    monkeypatch.setattr(agg.backend, "standard_normal", counted)
+    monkeypatch.setattr(agg, "standard_normal", counted)
     draws = agg.noise_draws(like)
     first = np.array(draws["l0"], copy=True)
     assert calls == [(per_group * size,)]
