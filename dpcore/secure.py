@@ -68,8 +68,9 @@ class SecureGenerator:
 
 
 class SecurePoissonSampler(PoissonSampler):
-    """:class:`~dpcore.sampling.PoissonSampler` drawing from the system's CSPRNG: record i is
-    in the sample iff its uniform u_i < q (n uniforms a sample)."""
+    """:class:`~dpcore.sampling.PoissonSampler` drawing from the system's CSPRNG: geometric
+    gaps between the records drawn (about q n uniforms a sample), or, for q >= 1/4, record i
+    drawn iff its own uniform u_i < q."""
 
     def __init__(self, n: int, q: float, *, steps: int | None = None):
         super().__init__(n, q, steps=steps)
