@@ -132,6 +132,18 @@ class PrivateAggregator:
         unclipped records); a fused step that releases only the gradient cannot serve them."""
         return self._policy.count_groups
 
+    def _refuse_traced(self, arrays: Mapping[str, object]) -> None:
+        """A release happens on the host, once per step: inside a compiled trace (the user's
+        ``jax.jit``) it would write the ledger once and draw the noise once, at tracing, and
+        every call of the program would reuse that draw."""
+        traced = [leaf for leaf, x in arrays.items() if self.backend.is_traced(x)]
+        if traced:
+            raise RuntimeError(
+                f"the aggregator releases on the host, once per step, but {traced[:4]} are "
+                f"values of a compiled trace (jax.jit, tf.function): the noise and the ledger "
+                f"events would be made once, at tracing, for every call of the program. "
+                f"Release outside the trace, or use the backend's compiled steps")
+
     def require_backend_generator(self, what: str) -> None:
         """Refuse a ``secure`` aggregator to ``what``, a compiled step that draws its noise
         with the backend's own generator (on the device, inside the compiled program)."""
@@ -193,6 +205,7 @@ class PrivateAggregator:
         unclipped records; its counts are released as groups of their own."""
         self._check_unreleased()
         self._mechanism.check_leaves(clipped_sums)
+        self._refuse_traced(clipped_sums)
         counts = self._count_sums(factors, mask)
         self.record_release()
         self.rng, released = aggregation.noisy_average(
@@ -244,6 +257,7 @@ class PrivateAggregator:
         if self._step < 0:
             raise RuntimeError("no sample to release from: call sample() or begin_step() first")
         self._mechanism.check_leaves(like)
+        self._refuse_traced(like)
         return NoiseDraws(self, self._step, self._mechanism, like)
 
     def release_noisy_sums(self, draws: NoiseDraws, *, factors=None, mask=None) -> dict:
@@ -273,6 +287,7 @@ class PrivateAggregator:
         records; ``mask`` (B,) marks real rows of a padded batch."""
         mechanism = self.mechanism
         mechanism.check_leaves(per_record)
+        self._refuse_traced(per_record)
         leaves = mechanism.leaves
         factors = self.clip_factors(aggregation.per_leaf_sq_norms(per_record, leaves), mask=mask)
         zero_rows = None

@@ -493,9 +493,22 @@ def test_a_secure_aggregator_gets_host_noise_in_the_compiled_steps():
     first, second = grad_fn(params, batch), grad_fn(params, batch)
     assert not jnp.array_equal(first["w"], second["w"])  # fresh noise every step
     assert sum(isinstance(e, SumQueryEvent) for e in agg.ledger.events) == 5
-    agg.sample()  # a release under the user's jit would bake one draw into the program
-    with pytest.raises(RuntimeError, match="cannot release inside a compiled trace"):
-        jax.jit(lambda s: agg.release_sums({"w": s}))(jnp.zeros(3))
+
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_a_release_inside_the_users_jit_is_refused(secure):
+    """Under jax.jit the release would draw the noise and write the ledger once, at tracing,
+    and every call of the program would reuse that draw."""
+    agg = dpcore.PrivateAggregator(dpcore.flat(["w"], 1.0, 1.0), n=10, q=0.5, backend="jax",
+                                   secure=secure)
+    agg.sample()
+    for release in (lambda s: agg.release_sums({"w": s}),
+                    lambda s: agg.release({"w": s[None]}),
+                    lambda s: agg.noise_draws({"w": s})["w"]):
+        with pytest.raises(RuntimeError, match="values of a compiled trace"):
+            jax.jit(release)(jnp.zeros(3))
+    assert not any(isinstance(e, SumQueryEvent) for e in agg.ledger.events)
 
 
 def _begun(aggregator):
