@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .snapshot import buffers
+from .snapshot import buffers, copies
 
 
 class CallBuffers:
@@ -32,9 +32,9 @@ class CallBuffers:
         now = buffers(self.module)
         versions = {key: (t, t._version) for key, t in now.items() if t is not None}
         keep = now if self.changing is None else {k: now[k] for k in self.changing if k in now}
-        return versions, {key: t.detach().clone() for key, t in keep.items() if t is not None}
+        return versions, copies({key: t for key, t in keep.items() if t is not None})
 
-    def after(self, versions, copies) -> tuple[dict, set, dict]:
+    def after(self, versions, kept) -> tuple[dict, set, dict]:
         """After the call: (the values before it of the buffers it changed, to replay it
         from; the keys of those with no copy from before, whose values are then the call's;
         copies of the values the call left them, which the replay of each example must
@@ -43,8 +43,8 @@ class CallBuffers:
         changed = {key for key, t in now.items() if t is not None and (
             key not in versions or versions[key][0] is not t or versions[key][1] != t._version)}
         self.changing = changed if self.changing is None else self.changing | changed
-        end = {key: now[key].detach().clone() for key in changed}
-        return ({key: copies.get(key, end[key]) for key in changed}, changed - copies.keys(),
+        end = copies({key: now[key] for key in changed})
+        return ({key: kept.get(key, end[key]) for key in changed}, changed - kept.keys(),
                 end)
 
     def _names(self) -> dict:
@@ -63,5 +63,5 @@ class CallBuffers:
         """Copies of ``values`` (keys of :func:`buffers`) by their names in the module, for
         ``torch.func.functional_call`` (which a replay may then change in place)."""
         names = self._names()
-        return {f"{names[m]}.{name}" if names.get(m) else name: t.clone()
-                for (m, name), t in values.items() if m in names}
+        return {f"{names[m]}.{name}" if names.get(m) else name: t
+                for (m, name), t in copies(values).items() if m in names}

@@ -165,8 +165,7 @@ class Snapshot:
                 with torch.no_grad():
                     for p, began, _ in changed:
                         p.copy_(began)
-                _set_buffers(module, {key: None if t is None else t.clone() for key, t in
-                                      (self.buffers if start is None else start).items()})
+                _set_buffers(module, copies(self.buffers if start is None else start))
                 for generator, state in self.generators:
                     generator.set_state(state)
                 for m, training in zip(module.modules(), self.training):
@@ -185,8 +184,16 @@ class Snapshot:
 
 def buffers(module, copy: bool = False) -> dict:
     """{(module, name): buffer} of every module (copies if ``copy``)."""
-    return {(id(m), name): (t.detach().clone() if copy and t is not None else t)
-            for m in module.modules() for name, t in m._buffers.items()}
+    found = {(id(m), name): t for m in module.modules() for name, t in m._buffers.items()}
+    return copies(found) if copy else found
+
+
+def copies(values: dict) -> dict:
+    """``values`` with each tensor copied, once: a buffer registered in two modules stays one
+    tensor."""
+    made: dict = {}
+    return {key: None if t is None else made.setdefault(id(t), t.detach().clone())
+            for key, t in values.items()}
 
 
 def _set_buffers(module, values: dict) -> None:

@@ -943,6 +943,45 @@ def test_a_buffer_first_changed_in_a_later_call_is_named_when_the_replay_differs
         engine.per_example_grads()
 
 
+class Writes(nn.Module):
+    """Adds a buffer it may share with another module; if ``write``, first sets it from its
+    weight (without gradient)."""
+
+    def __init__(self, shared, write):
+        super().__init__()
+        self.weight, self.write = nn.Parameter(torch.randn(3, 3, dtype=torch.float64)), write
+        self.register_buffer("shift", shared)
+
+    def forward(self, x):
+        if self.write:
+            with torch.no_grad():
+                self.shift.copy_(self.weight.sum(0))
+        return x @ self.weight + self.shift
+
+
+def test_a_buffer_shared_by_two_modules_stays_shared_in_replays_and_reruns():
+    """One tensor registered in two fallback modules, written by the first: the replays and
+    the check's reruns keep it one tensor (copied once), so the second reads what the first
+    wrote; each example's gradients equal the oracle's, from the model as it began."""
+    torch.manual_seed(19)
+    shared = torch.zeros(3, dtype=torch.float64)
+    model = nn.Sequential(Writes(shared, True), Writes(shared, False))
+    x = torch.randn(4, 3, dtype=torch.float64)
+    expected = {n: [] for n, _ in model.named_parameters()}
+    for i in range(len(x)):
+        alone = copy.deepcopy(model)
+        alone(x[i:i + 1]).square().sum().backward()
+        for n, p in alone.named_parameters():
+            expected[n].append(p.grad)
+    engine = PerExampleEngine(model, loss_reduction="sum")
+    model(x).square().sum().backward()
+    got = engine.per_example_grads()
+    engine.clear()  # the check's reruns
+    assert engine._probe.checked == 1
+    for n, grads in expected.items():
+        assert close(got[n], torch.stack(grads)), n
+
+
 class RunningCentre(nn.Module):
     """Centres its input by a running mean of the inputs it has seen, kept in a buffer that
     is replaced at every training call."""
