@@ -27,8 +27,9 @@ pass (compiled as the step is, without noise) on altered batches:
 3. *Rerun*: the rows are split at random into halves, SPLITS times; for each half the pass
    runs again with every row of the other half replaced by the nearest real row of this
    half before it (after it, for rows before the first), so that inputs sorted by length
-   stay sorted (targets and mask copied, floating inputs multiplied by FACTORS: a copy changes no statistic that
-   every row shares, such as a maximum each image reaches). In this half's rows the losses,
+   stay sorted (targets and mask copied, floating inputs multiplied by FACTORS: a copy
+   changes no statistic that every row shares, such as a maximum each image reaches). In
+   this half's rows the losses,
    the model's outputs, every tapped layer's input and output (a layer whose weight is zero
    shows mixing in its input only), the squared gradient norms and a weighted sum of the
    gradients with random weights on this half must not change (to 1e-5 of their norms).

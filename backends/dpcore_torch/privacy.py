@@ -67,8 +67,9 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     must match the loss (``"mean"`` or ``"sum"`` over the batch). ``ledger`` is a path, a
     :class:`dpcore.Ledger` or None (in memory). ``seed`` fixes sampling and noise (tests only;
     None draws OS entropy); ``secure`` draws sampling and noise from the system's
-    cryptographically secure generator instead (:mod:`dpcore.secure`; no seed). ``mode`` is ``"auto"`` (ghost norms and book-keeping where a layer
-    rule exists, ``torch.func`` elsewhere) or ``"vmap"`` (``torch.func`` for the whole model);
+    cryptographically secure generator instead (:mod:`dpcore.secure`; no seed). ``mode`` is
+    ``"auto"`` (ghost norms and book-keeping where a layer rule exists, ``torch.func``
+    elsewhere) or ``"vmap"`` (``torch.func`` for the whole model);
     ``prefer`` ("memory" or "time") picks ghost norms or materialised per-example gradients per
     layer (:func:`dpcore_torch.layers.use_ghost`). ``accountant`` calibrates ``target_epsilon``.
     ``check_independence``: the model's first two training steps raise
