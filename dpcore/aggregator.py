@@ -132,11 +132,14 @@ class PrivateAggregator:
         unclipped records); a fused step that releases only the gradient cannot serve them."""
         return self._policy.count_groups
 
-    def _refuse_traced(self, arrays: Mapping[str, object]) -> None:
+    def _refuse_traced(self, arrays: Mapping[str, object], factors=None) -> None:
         """A release happens on the host, once per step: inside a compiled trace (the user's
         ``jax.jit``) it would write the ledger once and draw the noise once, at tracing, and
-        every call of the program would reuse that draw."""
+        every call of the program would reuse that draw. ``arrays`` by leaf, and the clip
+        ``factors`` adaptive clipping counts from."""
         traced = [leaf for leaf, x in arrays.items() if self.backend.is_traced(x)]
+        if factors is not None and self.backend.is_traced(factors):
+            traced.append("the clip factors")
         if traced:
             raise RuntimeError(
                 f"the aggregator releases on the host, once per step, but {traced[:4]} are "
@@ -205,7 +208,7 @@ class PrivateAggregator:
         unclipped records; its counts are released as groups of their own."""
         self._check_unreleased()
         self._mechanism.check_leaves(clipped_sums)
-        self._refuse_traced(clipped_sums)
+        self._refuse_traced(clipped_sums, factors)
         counts = self._count_sums(factors, mask)
         self.record_release()
         self.rng, released = aggregation.noisy_average(
@@ -272,6 +275,7 @@ class PrivateAggregator:
                              f"{' and were released already' if draws.released else ''}; the "
                              f"current step is {self._step}: draw a step's noise once per release")
         self._check_unreleased()
+        self._refuse_traced({}, factors)
         counts = self._count_sums(factors, mask)
         self.record_release()
         released = draws.finish(self.expected_size)

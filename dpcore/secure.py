@@ -20,9 +20,9 @@ Such a generator cannot be seeded (a seed would make it predictable again). What
 address: a Gaussian sampled in floating point is not exactly Gaussian, and its rounding can
 leak a little (Mironov 2012 for the Laplace mechanism; Jin et al. 2022 for Gaussian
 samplers); an exact discrete Gaussian on a grid would. It costs about 8 bytes of the
-system's generator and one ``ndtri`` per value (measured in docs/aggregation.md). Arrays under
-a compiler's trace (``jax.jit``) are refused: the host's noise would be baked into the program
-and reused at every call.
+system's generator and one ``ndtri`` per value (measured in docs/aggregation.md). The
+aggregator refuses to release values of a compiler's trace (``jax.jit``), secure or not: the
+noise drawn at tracing would be baked into the program and reused at every call.
 """
 
 from __future__ import annotations
@@ -99,12 +99,6 @@ class SecureStandardNormal:
         self.backend = backend
 
     def __call__(self, rng, shape, like):
-        if self.backend.is_traced(like):
-            raise RuntimeError(
-                "a secure aggregator draws its noise on the host, and cannot release inside "
-                "a compiled trace (jax.jit, tf.function): the noise drawn at tracing would be "
-                "reused by every call of the program. Release outside the trace, or use the "
-                "backend's compiled steps, which take the host's noise as an input")
         size = int(np.prod(shape, dtype=np.int64))
         noise = rng.standard_normal(size).reshape(tuple(shape))
         name = getattr(like.dtype, "name", None) or str(like.dtype).rsplit(".", 1)[-1]

@@ -29,10 +29,10 @@ pass (compiled as the step is, without noise) on altered batches:
    half before it (after it, for rows before the first), so that inputs sorted by length
    stay sorted (targets and mask copied, floating inputs multiplied by FACTORS: a copy
    changes no statistic that every row shares, such as a maximum each image reaches). In
-   this half's rows the losses,
-   the model's outputs, every tapped layer's input and output (a layer whose weight is zero
-   shows mixing in its input only), the squared gradient norms and a weighted sum of the
-   gradients with random weights on this half must not change (to 1e-5 of their norms).
+   this half's rows the losses, the model's outputs, every tapped layer's input and output
+   (a layer whose weight is zero shows mixing in its input only), the squared gradient norms
+   and a weighted sum of the gradients with random weights on this half must not change (to
+   1e-5 of their norms).
    If a rerun leaves the variables otherwise than the pass did (a statistic of the batch
    kept in state), the batch runs once more from each: what it computes must not change,
    or later steps would read this batch's records (a running mean read before its update);

@@ -192,8 +192,10 @@ def copies(values: dict) -> dict:
     """``values`` with each tensor copied, once: a buffer registered in two modules stays one
     tensor."""
     made: dict = {}
-    return {key: None if t is None else made.setdefault(id(t), t.detach().clone())
-            for key, t in values.items()}
+    for t in values.values():
+        if t is not None and id(t) not in made:
+            made[id(t)] = t.detach().clone()
+    return {key: None if t is None else made[id(t)] for key, t in values.items()}
 
 
 def _set_buffers(module, values: dict) -> None:
