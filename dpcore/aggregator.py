@@ -252,16 +252,18 @@ class PrivateAggregator:
                              "factors=factors (and mask=mask) to the release")
         return self._policy.count_sums(factors, mask)
 
-    def noise_draws(self, like: Mapping[str, object]) -> NoiseDraws:
+    def noise_draws(self, like: Mapping[str, object], *, noise: bool = True) -> NoiseDraws:
         """This step's noise ``alpha_j sigma~_g N(0, I)`` for every leaf j, as writeable arrays
         shaped, typed and placed like ``like[j]`` and drawn on first access
         (:class:`~dpcore.noise.NoiseDraws`): a backend adds its clipped sums into them in place
-        and passes them to :meth:`release_noisy_sums`."""
+        and passes them to :meth:`release_noisy_sums`. ``noise=False`` gives zeros instead,
+        for a process whose sums are added to those of another that draws the noise (its
+        release is not private on its own: it must go into that sum and nowhere else)."""
         if self._step < 0:
             raise RuntimeError("no sample to release from: call sample() or begin_step() first")
         self._mechanism.check_leaves(like)
         self._refuse_traced(like)
-        return NoiseDraws(self, self._step, self._mechanism, like)
+        return NoiseDraws(self, self._step, self._mechanism, like, noise=noise)
 
     def release_noisy_sums(self, draws: NoiseDraws, *, factors=None, mask=None) -> dict:
         """Ledger, division: the private average from this step's :meth:`noise_draws` with the

@@ -16,6 +16,10 @@ leaf, large enough for a backend to draw it on several threads (PyTorch on the C
 access to a shared leaf draws its whole group, so memory runs ahead of the sums by at most
 :data:`SHARED_TOTAL` values. Leaves never accessed are drawn at release: every leaf gets its
 noise, used or not.
+
+``noise=False`` gives zeros in place of the draws (the generator does not advance): the sums
+of one process of several whose sums are added together, the noise being drawn once, by one
+of them (distributed training).
 """
 
 from __future__ import annotations
@@ -35,10 +39,13 @@ SHARED_TOTAL = 2 ** 19  # ... of at most this many values each
 class NoiseDraws(Mapping):
     """``alpha_j sigma~_g N(0, I)`` for every leaf j of ``mechanism``, shaped, typed and placed
     like ``like[j]``, drawn from ``aggregator``'s generator on first access (the aggregator's
-    ``rng`` advances with every draw). Made by :meth:`PrivateAggregator.noise_draws`."""
+    ``rng`` advances with every draw); zeros with ``noise=False``. Made by
+    :meth:`PrivateAggregator.noise_draws`."""
 
-    def __init__(self, aggregator, step: int, mechanism: Mechanism, like: Mapping[str, object]):
+    def __init__(self, aggregator, step: int, mechanism: Mechanism, like: Mapping[str, object],
+                 *, noise: bool = True):
         self.aggregator, self.step, self.mechanism = aggregator, step, mechanism
+        self.noise = noise
         self.released = False
         self._like = like
         self._stds = leaf_noise_stds(mechanism)
@@ -87,7 +94,7 @@ class NoiseDraws(Mapping):
         like, std = self._like[leaf], self._stds[leaf]
         xp = self.aggregator.backend.namespace()
         flat_shape = (sum(sizes),) if leaf in self._shared else tuple(like.shape)
-        if std == 0:  # no draw; the dtype the backend's generator would give
+        if std == 0 or not self.noise:  # no draw; the dtype the backend's generator gives
             dtype = like.dtype if xp.isdtype(like.dtype, "real floating") else None
             base = xp.zeros(flat_shape, dtype=dtype, device=device(like))
         else:

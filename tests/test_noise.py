@@ -83,6 +83,23 @@ def test_zero_noise_releases_exact_averages_and_draws_nothing():
         np.testing.assert_array_equal(out[leaf], np.full(like.shape, 3.0 / 20.0))
 
 
+def test_draws_without_noise_are_zeros_and_record_the_noise_another_process_adds():
+    """A process of several whose sums another's noise covers: its draws are zeros, its
+    generator does not move, and its ledger records the same events as the one drawing."""
+    drawing, silent = aggregator(), aggregator()
+    state = silent.rng.bit_generator.state
+    draws = silent.noise_draws(LIKE, noise=False)
+    draws["b"] += np.full(5000, 3.0)
+    out = silent.release_noisy_sums(draws)
+    assert silent.rng.bit_generator.state == state
+    np.testing.assert_array_equal(out["b"], np.full(5000, 3.0 / 20.0))
+    for leaf, like in LIKE.items():
+        if leaf != "b":
+            np.testing.assert_array_equal(out[leaf], np.zeros(like.shape))
+    drawing.release_noisy_sums(drawing.noise_draws(LIKE))
+    assert silent.ledger.events == drawing.ledger.events and len(silent.ledger.events) == 3
+
+
 def test_ledger_records_the_same_events_as_release_sums(tmp_path):
     events = []
     for name, release in (("sums", lambda a: a.release_sums(dict(LIKE))),

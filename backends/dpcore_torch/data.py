@@ -23,10 +23,13 @@ from dpcore import PoissonSampler
 class PoissonBatchSampler(Sampler[list[int]]):
     """``steps`` Poisson samples of ``range(n)`` at rate ``q`` (default: about one epoch, 1/q),
     drawn from ``sampler`` (a :class:`dpcore.PoissonSampler` of that n and q, e.g. an
-    aggregator's, which its backend made) or from a new one seeded with ``seed``."""
+    aggregator's, which its backend made) or from a new one seeded with ``seed``. With
+    ``shard=(rank, world)`` only the sampled records i with i % world == rank are kept: one
+    process's part of a sample that several processes share
+    (:mod:`dpcore_torch.distributed`)."""
 
     def __init__(self, n: int, q: float, *, steps: int | None = None, seed=None,
-                 sampler: PoissonSampler | None = None):
+                 sampler: PoissonSampler | None = None, shard: tuple[int, int] | None = None):
         if sampler is None:
             sampler = PoissonSampler(n, q, seed=seed)
         elif seed is not None:
@@ -34,12 +37,18 @@ class PoissonBatchSampler(Sampler[list[int]]):
         elif (sampler.n, sampler.q) != (n, q):
             raise ValueError(f"the sampler draws from n={sampler.n} at q={sampler.q}, the "
                              f"loader needs n={n} at q={q}")
-        self.sampler = sampler
+        if shard is not None and not 0 <= shard[0] < shard[1]:
+            raise ValueError(f"shard must be (rank, world) with 0 <= rank < world, got {shard}")
+        self.sampler, self.shard = sampler, shard
         self.steps = steps_per_epoch(q) if steps is None else steps
 
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.steps):
-            yield self.sampler.sample().tolist()
+            sample = self.sampler.sample()
+            if self.shard is not None:
+                rank, world = self.shard
+                sample = sample[sample % world == rank]
+            yield sample.tolist()
 
     def __len__(self) -> int:
         return self.steps
@@ -83,15 +92,16 @@ def _is_value(item) -> bool:
 
 
 def poisson_loader(dataset: Dataset, q: float, *, steps: int | None = None, seed=None,
-                   sampler: PoissonSampler | None = None, collate_fn=None,
-                   **loader_kwargs) -> DataLoader:
+                   sampler: PoissonSampler | None = None, shard: tuple[int, int] | None = None,
+                   collate_fn=None, **loader_kwargs) -> DataLoader:
     """A DataLoader of Poisson samples of ``dataset`` at rate ``q``, drawn from ``sampler``
-    (see :class:`PoissonBatchSampler`) or a new sampler seeded with ``seed`` (``loader_kwargs``
-    such as ``num_workers`` or ``pin_memory`` are passed on). ``loader.sample_rate`` is q."""
+    (see :class:`PoissonBatchSampler`, also for ``shard``) or a new sampler seeded with
+    ``seed`` (``loader_kwargs`` such as ``num_workers`` or ``pin_memory`` are passed on).
+    ``loader.sample_rate`` is q."""
     n = len(dataset)
     if n == 0:
         raise ValueError("cannot sample from an empty dataset")
-    batches = PoissonBatchSampler(n, q, steps=steps, seed=seed, sampler=sampler)
+    batches = PoissonBatchSampler(n, q, steps=steps, seed=seed, sampler=sampler, shard=shard)
     loader = DataLoader(dataset, batch_sampler=batches,
                         collate_fn=_EmptySafeCollate(dataset, collate_fn or default_collate),
                         **loader_kwargs)
@@ -99,15 +109,18 @@ def poisson_loader(dataset: Dataset, q: float, *, steps: int | None = None, seed
     return loader
 
 
-def sample_rate_of(loader: DataLoader) -> float:
-    """q = expected batch size / n for a loader to be replaced by Poisson sampling."""
+def sample_rate_of(loader: DataLoader, processes: int = 1) -> float:
+    """q = expected batch size / n for a loader to be replaced by Poisson sampling; with
+    several ``processes`` its ``batch_size`` is each one's, as with a DistributedSampler, and
+    the expected sample ``processes * batch_size``."""
     n = len(loader.dataset)
     size = loader.batch_size
     if size is None:  # a custom batch_sampler: use its number of batches per epoch
         return 1.0 / len(loader)
-    if not 0 < size <= n:
-        raise ValueError(f"batch_size {size} must be in [1, len(dataset) = {n}]")
-    return size / n
+    if not 0 < size * processes <= n:
+        per = f" times {processes} processes" if processes > 1 else ""
+        raise ValueError(f"batch_size {size}{per} must be in [1, len(dataset) = {n}]")
+    return size * processes / n
 
 
 def steps_per_epoch(q: float) -> int:

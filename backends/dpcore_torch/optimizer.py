@@ -13,6 +13,7 @@ import torch
 
 from dpcore import PrivateAggregator
 
+from .distributed import Workers
 from .engine import NOT_COPIED, PerExampleEngine
 from .step import clip_into
 
@@ -22,7 +23,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
     wrapped optimizer, so learning-rate schedulers and checkpoints work on either."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, engine: PerExampleEngine,
-                 aggregator: PrivateAggregator):
+                 aggregator: PrivateAggregator, *, workers: Workers | None = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
         self.engine = engine
@@ -33,7 +34,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self.defaults = optimizer.defaults
-        self.aggregator = aggregator
+        self.aggregator, self.workers = aggregator, workers
         self._pending = None  # (noise draws, clip factors) of a step being accumulated
 
     def __reduce_ex__(self, protocol):
@@ -100,7 +101,8 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self._refuse_stray(self.param_groups, grads=True)
         if self._pending is None:
             self.aggregator.begin_step()
-            self._pending = (self.aggregator.noise_draws(self.engine.params), [])
+            noise = self.workers is None or self.workers.draws_noise
+            self._pending = (self.aggregator.noise_draws(self.engine.params, noise=noise), [])
         draws, factors = self._pending
         try:
             factors.append(clip_into(self.engine, self.aggregator, draws))
@@ -116,10 +118,19 @@ class PrivateOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._accumulate()
+        try:
+            if self.workers is None:
+                self._accumulate()
+            else:  # every process raises if one did (dpcore_torch.distributed)
+                self.workers.agree(self._accumulate)
+        except BaseException:
+            self._pending = None  # the step is abandoned: nothing of it was released
+            raise
         (draws, factors), self._pending = self._pending, None
         factors = factors[0] if len(factors) == 1 else torch.cat(factors)
         grads = self.aggregator.release_noisy_sums(draws, factors=factors)
+        if self.workers is not None:
+            self.workers.sum_(grads)
         for name, p in self.engine.params.items():  # a parameter frozen since: not updated
             p.grad = grads[name] if p.requires_grad else None
         self.original_optimizer.step()

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dpcore import Mechanism, PrivateAggregator, QuantileClipping, flat, per_layer
+from dpcore import Ledger, Mechanism, PrivateAggregator, QuantileClipping, flat, per_layer
 
 from .data import poisson_loader, sample_rate_of, steps_per_epoch
+from .distributed import Workers
 from .engine import PerExampleEngine
 from .optimizer import PrivateOptimizer
 
@@ -58,7 +59,7 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
                  ledger=None, seed: int | None = None, mode: str = "auto",
                  prefer: str = "memory", accountant: str = "pld", clip_policy=None,
                  budget=None, on_nonfinite: str = "raise", check_independence: bool = True,
-                 secure: bool = False):
+                 secure: bool = False, distributed: bool = False):
     """Private (module, optimizer, data_loader).
 
     Give ``noise_multiplier`` z, or ``target_epsilon`` with ``target_delta`` and ``epochs`` to
@@ -86,11 +87,33 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     ``budget`` (a :class:`dpcore.PrivacyBudget`) makes ``optimizer.step()`` refuse, with
     :class:`dpcore.BudgetExhaustedError` and before recording anything, the step that would
     exceed it; ``optimizer.next_step_fits()`` asks first (Algorithm 1).
+
+    ``distributed=True``: one of several processes of ``torch.distributed`` training one model
+    (:mod:`dpcore_torch.distributed`), each called with the whole dataset and its own loader
+    whose ``batch_size`` is per process (q = world * batch_size / n). The model is made
+    process 0's; each step clips every process's share of one Poisson sample, process 0 adds
+    the noise, and the sums are added over the processes; only process 0 writes a ledger
+    path. Adaptive clipping is not supported across processes.
     """
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch DataLoader, got {data_loader!r}")
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        raise TypeError("make_private takes the model itself, not a DistributedDataParallel "
+                        "(which would add up the unclipped gradients): pass model.module "
+                        "with distributed=True, and dpcore adds up the clipped ones")
+    workers = None
+    if distributed:
+        workers = Workers(next(module.parameters(), torch.empty(0)).device)
+    if workers is not None:
+        if clip_policy == "adaptive" or isinstance(clip_policy, QuantileClipping):
+            raise ValueError("adaptive clipping counts the unclipped records of the whole "
+                             "sample, which no process sees with distributed=True: use a "
+                             "fixed clip or a dpcore.ClipSchedule")
+        if workers.rank != 0 and not isinstance(ledger, Ledger):
+            ledger = None  # process 0 writes the file; the others keep the same events
+        workers.copy_model(module)
     n = len(data_loader.dataset)
-    q = sample_rate_of(data_loader)
+    q = sample_rate_of(data_loader, 1 if workers is None else workers.world)
     if (noise_multiplier is None) == (target_epsilon is None):
         raise ValueError("give exactly one of noise_multiplier and target_epsilon "
                          f"(got noise_multiplier={noise_multiplier!r}, "
@@ -115,5 +138,6 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
         raise
     loader = poisson_loader(  # the aggregator's sampler: the backend's, which conformance tests
         data_loader.dataset, q, sampler=aggregator.sampler, collate_fn=data_loader.collate_fn,
+        shard=None if workers is None else workers.shard,
         num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory)
-    return module, PrivateOptimizer(optimizer, engine, aggregator), loader
+    return module, PrivateOptimizer(optimizer, engine, aggregator, workers=workers), loader
