@@ -12,9 +12,11 @@ when the model is made private). At each step:
 2. **clipping**: each process clips its examples' gradients and adds their sums into zeros,
    except process 0, which adds them into the step's noise
    (:meth:`dpcore.PrivateAggregator.noise_draws` with ``noise=False`` elsewhere);
-3. **agreement**: the processes learn whether each of them got that far (one summed flag). A
-   step that failed in one (a NaN record, a refused budget) raises in all, before anything
-   is released or summed, so they stay in step;
+3. **agreement**: the processes learn, in one small ``all_reduce``, whether each of them got
+   that far and whether they took the same step (step number, q, n, mechanism: a process
+   clipping at another bound than the ledger of process 0 says would break the guarantee).
+   A step that failed or differs in one (a NaN record, a refused budget, other arguments)
+   raises in all, before anything is released or summed, so they stay in step;
 4. **release**: each divides by q n and the results are summed over the processes
    (``all_reduce``): sum_r (S_r + [r = 0] N) / (q n), the private average of the union with
    one noise draw. Every process applies it, so the models stay equal.
@@ -26,6 +28,7 @@ mechanism); only process 0 writes a ledger file.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import MutableMapping
 from itertools import chain
 from typing import Callable
@@ -63,21 +66,31 @@ class Workers:
         for tensor in chain(module.parameters(), module.buffers()):
             dist.broadcast(tensor, src=0)
 
-    def agree(self, work: Callable[[], object]) -> None:
-        """Run ``work``; raise in every process if it raised in any (the one that failed
-        raises its own error), so that no process waits for another in a sum."""
+    def agree(self, work: Callable[[], object], step: Callable[[], str]) -> None:
+        """Run ``work``, then raise in every process if it raised in any (the one that
+        failed raises its own error) or if ``step()``, a description of the step taken,
+        differs between processes; so no process waits for another in a sum, and none
+        releases a step the others took otherwise."""
         error = None
         try:
             work()
         except BaseException as raised:  # re-raised below, in every process
             error = raised
-        failed = torch.tensor([0 if error is None else 1], device=self.device)
-        dist.all_reduce(failed)
+        taken = step()
+        code = int.from_bytes(hashlib.blake2b(taken.encode(), digest_size=7).digest(), "big")
+        flags = torch.tensor([error is not None, code, -code], dtype=torch.int64,
+                             device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # any failure; the largest, smallest code
+        failed, largest, smallest = flags.tolist()
         if error is not None:
             raise error
-        if failed.item():
-            raise RuntimeError(f"the step failed in {failed.item()} of the {self.world} "
-                               f"processes (their errors say why); nothing was released")
+        if largest != -smallest:
+            raise ValueError(f"the processes took different steps; process {self.rank} took "
+                             f"{taken}. Call make_private with the same arguments in every "
+                             f"process and take the same steps; nothing was released")
+        if failed:
+            raise RuntimeError("the step failed in another process (its error says why); "
+                               "nothing was released")
 
     @torch.no_grad()
     def sum_(self, tensors: MutableMapping[str, torch.Tensor]) -> None:

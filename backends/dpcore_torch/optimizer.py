@@ -110,6 +110,12 @@ class PrivateOptimizer(torch.optim.Optimizer):
             self._pending = None
             raise
 
+    def _step_taken(self) -> str:
+        """What makes this step the same in every process (:mod:`dpcore_torch.distributed`)."""
+        agg = self.aggregator
+        return (f"step {agg.step} at q={agg.q}, n={agg.n}, secure={agg.secure}, "
+                f"on_nonfinite={agg.on_nonfinite!r} of {agg.mechanism}")
+
     @torch.no_grad()
     def step(self, closure=None):
         """One private step (one Poisson sample): clip, sum, noise, ledger, then update; the
@@ -122,7 +128,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
             if self.workers is None:
                 self._accumulate()
             else:  # every process raises if one did (dpcore_torch.distributed)
-                self.workers.agree(self._accumulate)
+                self.workers.agree(self._accumulate, self._step_taken)
         except BaseException:
             self._pending = None  # the step is abandoned: nothing of it was released
             raise

@@ -105,6 +105,24 @@ def nan_record(out: Path, rank: int) -> dict:
             "params": [p.detach().clone() for p in model.parameters()]}
 
 
+def other_clip(out: Path, rank: int) -> dict:
+    """Process 1 clips at 2.0, process 0 (whose ledger is the file) at 1.0: both raise at
+    the first step, before anything is released."""
+    model = mlp()
+    model, opt, loader = make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), DataLoader(data(), batch_size=4),
+        noise_multiplier=1.0, max_grad_norm=1.0 + rank, seed=0, distributed=True)
+    x, y, _ = next(iter(loader))
+    F.cross_entropy(model(x), y).backward()
+    try:
+        opt.step()
+        error = None
+    except Exception as raised:
+        error = (type(raised).__name__, str(raised))
+    return {"error": error, "events": [type(e).__name__ for e in opt.ledger.events],
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
 def main(out: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -113,7 +131,7 @@ def main(out: str) -> None:
     results = {"world": dist.get_world_size(), "same_seed": same_seed(out, rank),
                "noise": noise(out, rank, secure=False),
                "secure_noise": noise(out, rank, secure=True),
-               "nan_record": nan_record(out, rank)}
+               "nan_record": nan_record(out, rank), "other_clip": other_clip(out, rank)}
     torch.save(results, out / f"rank{rank}.pt")
     dist.destroy_process_group()
 

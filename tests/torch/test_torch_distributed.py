@@ -99,12 +99,27 @@ def test_a_step_that_fails_in_one_process_fails_in_all_and_they_stay_in_step(ran
     _, results = ranks
     nan = [r["nan_record"] for r in results]
     assert nan[1]["error"][0] == "NonFiniteNormError"
-    assert nan[0]["error"] == ("RuntimeError", "the step failed in 1 of the 2 processes (their "
-                               "errors say why); nothing was released")
+    assert nan[0]["error"] == ("RuntimeError", "the step failed in another process (its "
+                               "error says why); nothing was released")
     for rank in nan:
         assert rank["after_failure"] == ["SamplingEvent"]
         assert rank["events"] == ["SamplingEvent", "SamplingEvent", "SumQueryEvent"]
     for p, q in zip(nan[0]["params"], nan[1]["params"]):
+        assert torch.equal(p, q)
+
+
+def test_processes_that_clip_at_other_bounds_refuse_the_step(ranks):
+    """A process clipping at 2.0 while process 0's ledger says 1.0 would break the
+    guarantee: both raise before anything is released, each naming its own step."""
+    _, results = ranks
+    other = [r["other_clip"] for r in results]
+    for rank, clip in ((0, 1.0), (1, 2.0)):
+        kind, message = other[rank]["error"]
+        assert kind == "ValueError" and "the processes took different steps" in message
+        assert f"process {rank} took step 0 at q=0.2, n=40" in message
+        assert f"clip={clip}" in message and "nothing was released" in message
+        assert other[rank]["events"] == ["SamplingEvent"]
+    for p, q in zip(other[0]["params"], other[1]["params"]):
         assert torch.equal(p, q)
 
 
