@@ -8,6 +8,11 @@ granularity k. Sizes stay within q n +- 4 s except with probability < 1e-4 per s
 ``multiple_of``) gives about 17 shapes at an average padding of k / 2 = s / 4 rows, which for
 q n = 256 is 4 rows (1.5%). Padded rows carry ``mask`` False and are zeroed in norms, sums and
 counts; the average is divided by q n, never by the realised size.
+
+With a ``sharding`` that cuts the batch's first axis over d devices (``NamedSharding(mesh,
+P("data"))``), buckets are multiples of d and each batch is placed so; a step compiled for
+replicated parameters then computes each device's per-example gradients there and adds the
+clipped sums across devices (XLA inserts the sum), with the noise drawn once, from one key.
 """
 
 from __future__ import annotations
@@ -67,6 +72,28 @@ def pad(data, indices: np.ndarray, size: int):
     return jax.tree_util.tree_map(take, data), mask
 
 
+def batch_shards(sharding) -> int:
+    """How many pieces ``sharding`` cuts a batch's first axis into (1: replicated). Meshes
+    with explicit axes (``jax.make_mesh``'s default) are refused: the ghost norms re-run a
+    traced program, whose operations would then carry shardings of a mesh not in scope."""
+    explicit = getattr(getattr(sharding, "mesh", None), "explicit_axes", ())
+    if explicit:
+        raise ValueError(f"the mesh of {sharding} has explicit axes {explicit}: make it with "
+                         f"automatic ones, jax.make_mesh(shape, names, axis_types=(jax."
+                         f"sharding.AxisType.Auto,) * len(names)) or jax.sharding.Mesh(...)")
+    devices = len(sharding.device_set)
+    return devices // sharding.shard_shape((devices,))[0]
+
+
+def replicated(sharding):
+    """A copy on every device of ``sharding`` (a ``NamedSharding``): the parameters' placement
+    for a step whose batches are placed with ``sharding``."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        raise TypeError(f"sharding must be a jax.sharding.NamedSharding (e.g. "
+                        f"NamedSharding(mesh, PartitionSpec('data'))), got {sharding!r}")
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+
+
 def _rows(data) -> int:
     sizes = {np.shape(a)[0] for a in jax.tree_util.tree_leaves(data)}
     if len(sizes) != 1:
@@ -81,7 +108,9 @@ class PoissonBatches:
     the ledger (``aggregator.begin_step()``) and pads the sample to its bucket. Iterating
     yields ``(batch, mask)``; with ``splits=k`` (gradient accumulation) it yields a list of k
     equal-sized ``(batch, mask)`` parts of one sample, whose clipped sums are to be added and
-    noised once. ``steps`` bounds the iteration (None: endless).
+    noised once. ``steps`` bounds the iteration (None: endless). ``sharding`` (a
+    ``jax.sharding.Sharding`` of the batch's first axis) places every batch or part across
+    devices, each a multiple of their number of rows.
 
     :meth:`prefetch` draws and pads the next sample ahead, for a loop to call once a step has
     been dispatched, so the host work overlaps the device's (as :func:`dpcore_jax.train`
@@ -91,7 +120,7 @@ class PoissonBatches:
     """
 
     def __init__(self, data, aggregator, *, buckets: Buckets | None = None, splits: int = 1,
-                 steps: int | None = None):
+                 steps: int | None = None, sharding=None):
         rows = _rows(data)
         if rows != aggregator.n:
             raise ValueError(f"data has {rows} records but the aggregator samples from "
@@ -99,11 +128,13 @@ class PoissonBatches:
         self.data = data
         self.aggregator = aggregator
         self.splits = check.count("splits", splits, minimum=1)
+        self.sharding = sharding
+        shards = 1 if sharding is None else batch_shards(sharding)
         self.buckets = buckets or Buckets(aggregator.expected_size, aggregator.q,
-                                          multiple_of=self.splits)
-        if self.buckets.granularity % self.splits:
+                                          multiple_of=self.splits * shards)
+        if self.buckets.granularity % (self.splits * shards):
             raise ValueError(f"bucket granularity {self.buckets.granularity} is not a multiple "
-                             f"of splits={self.splits}")
+                             f"of splits={self.splits} times {shards} shards")
         self.steps = None if steps is None else check.count("steps", steps)
         self._ahead = None
 
@@ -118,9 +149,10 @@ class PoissonBatches:
         self.prefetch()
         self.aggregator.begin_step()
         (batch, mask), self._ahead = self._ahead, None
-        if self.splits == 1:
-            return batch, mask
-        return split(batch, mask, self.splits)
+        parts = [(batch, mask)] if self.splits == 1 else split(batch, mask, self.splits)
+        if self.sharding is not None:
+            parts = [jax.device_put(part, self.sharding) for part in parts]
+        return parts[0] if self.splits == 1 else parts
 
     def __iter__(self) -> Iterator:
         taken = 0

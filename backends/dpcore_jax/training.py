@@ -11,6 +11,7 @@ device computes the current step.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
@@ -18,7 +19,7 @@ import optax
 
 from dpcore import _validation as check
 
-from .batching import Buckets, PoissonBatches
+from .batching import Buckets, PoissonBatches, batch_shards, replicated
 from .grad import _Compiled, private_mean_fn
 
 
@@ -59,18 +60,24 @@ class PrivateStep:
 
 def train(loss_fn: Callable, params, data, aggregator, optimizer: optax.GradientTransformation,
           *, steps: int, buckets: Buckets | None = None, chunk_size: int | None = None,
-          method: str = "ghost", callback: Callable | None = None):
+          method: str = "ghost", callback: Callable | None = None, sharding=None):
     """Train ``params`` for ``steps`` private steps on Poisson samples of ``data`` (a pytree
     of NumPy arrays with one row per record, ``aggregator.n`` rows); returns
     ``(params, opt_state)``. ``callback(step, params)`` runs after every step. Every step's
-    sampling and sum-query events are in ``aggregator.ledger``."""
+    sampling and sum-query events are in ``aggregator.ledger``. ``sharding`` (a
+    ``NamedSharding`` of the batch's first axis) spreads each batch over its devices, with
+    the parameters copied to each (:mod:`dpcore_jax.batching`)."""
     steps = check.count("steps", steps)
+    if sharding is not None:
+        params = jax.device_put(params, replicated(sharding))
     private_step = PrivateStep(loss_fn, optimizer, aggregator, chunk_size=chunk_size,
                                method=method)
     opt_state = private_step.init(params)
-    if buckets is None and chunk_size is not None:  # every bucket splits into chunks
-        buckets = Buckets(aggregator.expected_size, aggregator.q, multiple_of=chunk_size)
-    batches = PoissonBatches(data, aggregator, buckets=buckets)
+    if buckets is None and chunk_size is not None:  # every bucket splits into chunks (and shards)
+        shards = 1 if sharding is None else batch_shards(sharding)
+        buckets = Buckets(aggregator.expected_size, aggregator.q,
+                          multiple_of=math.lcm(chunk_size, shards))
+    batches = PoissonBatches(data, aggregator, buckets=buckets, sharding=sharding)
     for t in range(steps):
         params, opt_state = private_step(params, opt_state, *batches.next())
         if t + 1 < steps:
