@@ -246,6 +246,10 @@ class Ledger:
             if isinstance(event, SumQueryEvent) and not seen_sampling:
                 raise LedgerError("a sum query must follow a sampling event: record the "
                                   "sampling of the records before querying them")
+        if self.path is not None and self._file is None:
+            raise LedgerError(f"the ledger {self.path} is closed: {len(events)} event(s) would "
+                              f"be kept in memory only and the file would under-report; "
+                              f"nothing was written (reopen it with Ledger(path))")
         if self._file is not None:
             self._emit([event_to_json(e) for e in events])
         self._events.extend(events)

@@ -69,6 +69,18 @@ def test_reopening_appends_to_the_same_ledger(tmp_path):
         Ledger(path, record="user")
 
 
+
+def test_a_closed_ledger_file_refuses_events_rather_than_keep_them_in_memory(tmp_path):
+    """The file would under-report the steps taken after close()."""
+    path = tmp_path / "run.jsonl"
+    ledger = Ledger(path)
+    write_steps(ledger, [(0.1, [("g", 1.0, 1.0)])])
+    ledger.close()
+    with pytest.raises(LedgerError, match=r"run.jsonl is closed: 1 event\(s\) would be kept"):
+        ledger.record_sampling(0.1, 100)
+    assert len(ledger.events) == 2 and len(read_ledger(path).events) == 2
+    ledger.close()  # closing twice is harmless
+
 @pytest.mark.skipif(sys.platform == "win32", reason="flock is POSIX")
 def test_a_ledger_file_has_one_writer(tmp_path):
     """A second writer, in this process or another, is refused before it reads or changes a
