@@ -36,6 +36,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self.defaults = optimizer.defaults
         self.aggregator, self.workers = aggregator, workers
         self._pending = None  # (noise draws, clip factors) of a step being accumulated
+        self._failed = None  # what made a micro-batch of that step fail (across processes)
 
     def __reduce_ex__(self, protocol):
         """Refused (:meth:`PerExampleEngine.__reduce_ex__`): torch's optimizers copy and pickle
@@ -93,9 +94,19 @@ class PrivateOptimizer(torch.optim.Optimizer):
         this after each micro-batch's backward pass and :meth:`step` once at the end. The
         sample's sampling event is written at its first micro-batch; the noise is drawn once
         and the sums added into it. If a micro-batch raises (a NaN record), the step is
-        abandoned: nothing is released."""
+        abandoned: nothing is released. Across processes (``distributed=True``) the step's
+        later micro-batches in this process are then dropped and its :meth:`step` raises
+        in every process, so that they all abandon the same step."""
         with torch.no_grad():
-            self._accumulate()
+            if self._failed is not None:  # this step failed here already
+                self.engine.clear()
+                return
+            try:
+                self._accumulate()
+            except BaseException as error:
+                if self.workers is not None:
+                    self._failed = error
+                raise
 
     def _accumulate(self) -> None:
         self._refuse_stray(self.param_groups, grads=True)
@@ -109,6 +120,12 @@ class PrivateOptimizer(torch.optim.Optimizer):
         except BaseException:
             self._pending = None
             raise
+
+    def _accumulate_unless_failed(self) -> None:
+        if self._failed is not None:
+            self.engine.clear()
+            raise self._failed
+        self._accumulate()
 
     def _step_taken(self) -> str:
         """What makes this step the same in every process (:mod:`dpcore_torch.distributed`)."""
@@ -128,15 +145,23 @@ class PrivateOptimizer(torch.optim.Optimizer):
             if self.workers is None:
                 self._accumulate()
             else:  # every process raises if one did (dpcore_torch.distributed)
-                self.workers.agree(self._accumulate, self._step_taken)
+                self.workers.agree(self._accumulate_unless_failed, self._step_taken)
         except BaseException:
             self._pending = None  # the step is abandoned: nothing of it was released
             raise
+        finally:
+            self._failed = None
         (draws, factors), self._pending = self._pending, None
         factors = factors[0] if len(factors) == 1 else torch.cat(factors)
-        grads = self.aggregator.release_noisy_sums(draws, factors=factors)
-        if self.workers is not None:
-            self.workers.sum_(grads)
+        if self.workers is None:
+            grads = self.aggregator.release_noisy_sums(draws, factors=factors)
+        else:  # a release (its ledger write) failing in one process fails in all
+            error, grads = None, None
+            try:
+                grads = self.aggregator.release_noisy_sums(draws, factors=factors)
+            except BaseException as raised:
+                error = raised
+            grads = self.workers.sum_(grads, self.engine.params, error)
         for name, p in self.engine.params.items():  # a parameter frozen since: not updated
             p.grad = grads[name] if p.requires_grad else None
         self.original_optimizer.step()

@@ -129,10 +129,17 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     try:
         mechanism = build_mechanism(clipping, engine.leaf_sizes, max_grad_norm,
                                     noise_multiplier)
-        aggregator = PrivateAggregator(
-            mechanism, n=n, q=q, backend="torch", ledger=ledger, seed=seed,
-            clipping=QuantileClipping() if clip_policy == "adaptive" else clip_policy,
-            budget=budget, on_nonfinite=on_nonfinite, secure=secure)
+        def build():
+            return PrivateAggregator(
+                mechanism, n=n, q=q, backend="torch", ledger=ledger, seed=seed,
+                clipping=QuantileClipping() if clip_policy == "adaptive" else clip_policy,
+                budget=budget, on_nonfinite=on_nonfinite, secure=secure)
+
+        if workers is None:
+            aggregator = build()
+        else:  # made (its ledger opened) in every process or in none, with the same settings
+            aggregator = workers.agree(build, lambda: f"q={q}, n={n} and {mechanism}")
+            workers.share_ledger(aggregator.ledger)  # a resumed ledger: process 0's events
     except BaseException:
         engine.detach()  # the model as it was: make_private can be called again
         raise

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import dpcore
 from dpcore_torch import make_private
 
 N, BATCH, STEPS = 40, 4, 5  # q = 2 * 4 / 40
@@ -106,21 +107,114 @@ def nan_record(out: Path, rank: int) -> dict:
 
 
 def other_clip(out: Path, rank: int) -> dict:
-    """Process 1 clips at 2.0, process 0 (whose ledger is the file) at 1.0: both raise at
-    the first step, before anything is released."""
+    """Process 1 clips at 2.0, process 0 (whose ledger is the file) at 1.0: both refuse at
+    make_private. A clip moving otherwise in one process (a schedule of its own) is refused
+    at the step where it differs, before anything of it is released."""
+    try:
+        make_private(mlp(), torch.optim.SGD(mlp().parameters(), lr=0.5),
+                     DataLoader(data(), batch_size=4), noise_multiplier=1.0,
+                     max_grad_norm=1.0 + rank, distributed=True)
+        made = None
+    except ValueError as raised:
+        made = str(raised)
     model = mlp()
     model, opt, loader = make_private(
         model, torch.optim.SGD(model.parameters(), lr=0.5), DataLoader(data(), batch_size=4),
-        noise_multiplier=1.0, max_grad_norm=1.0 + rank, seed=0, distributed=True)
+        noise_multiplier=1.0, max_grad_norm=1.0, seed=0, distributed=True,
+        clip_policy=dpcore.ClipSchedule(lambda step: 1.0 if step == 0 else 1.0 + rank))
+    taken = []
+    for x, y, _ in loader:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        try:
+            opt.step()
+            taken.append(None)
+        except ValueError as raised:
+            taken.append(str(raised))
+    return {"made": made, "taken": taken,
+            "events": [type(e).__name__ for e in opt.ledger.events],
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def failed_micro_batch(out: Path, rank: int) -> dict:
+    """q = 1 in micro-batches of 2 records: process 1's second holds the NaN record 1 (its
+    accumulate() raises; its later micro-batches are dropped); both processes' step()
+    raises, and both then train the next sample alike."""
+    ds = data(16)
+    ds.tensors[0][1, 0] = math.nan
+    model = mlp()
+    model, opt, loader = make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), DataLoader(ds, batch_size=8),
+        noise_multiplier=1.0, max_grad_norm=1.0, seed=0, distributed=True)
+    x, y, index = next(iter(loader))
+    raised = []
+    for step in range(2):
+        for part in range(0, len(x), 2):
+            keep = slice(part, part + 2)
+            if step == 1 and (index[keep] == 1).any():
+                continue
+            opt.zero_grad()
+            F.cross_entropy(model(x[keep]), y[keep]).backward()
+            try:
+                opt.accumulate()
+            except Exception as error:
+                raised.append(("accumulate", step, type(error).__name__))
+        try:
+            opt.step()
+        except Exception as error:
+            raised.append(("step", step, type(error).__name__))
+    return {"raised": raised, "events": [type(e).__name__ for e in opt.ledger.events],
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def resumed(out: Path, rank: int) -> dict:
+    """Two steps into ledger.jsonl, then a second make_private on the same path: process 0
+    reopens the file, process 1 starts from its events, and both price the run alike."""
+    path = out / "resumed.jsonl"
+    epsilons = []
+    for _ in range(2):
+        model = mlp()
+        model, opt, loader = make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.5),
+            DataLoader(data(), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0,
+            distributed=True, ledger=path)
+        for (x, y, _), _ in zip(loader, range(2)):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        epsilons.append(opt.epsilon(1e-5))
+        opt.ledger.close()
+    return {"epsilons": epsilons, "events": len(opt.ledger.events)}
+
+
+def refusals(out: Path, rank: int) -> dict:
+    """A float64 model in process 1 only is refused at make_private in both; a release whose
+    ledger write fails in process 0 (its file closed) fails in both."""
+    model = mlp().double() if rank == 1 else mlp()
+    try:
+        make_private(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                     DataLoader(data(), batch_size=4), noise_multiplier=1.0,
+                     max_grad_norm=1.0, distributed=True)
+        dtype = None
+    except ValueError as error:
+        dtype = str(error)
+    model = mlp()
+    model, opt, loader = make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), DataLoader(data(), batch_size=4),
+        noise_multiplier=1.0, max_grad_norm=1.0, distributed=True,
+        ledger=out / "closed.jsonl")
     x, y, _ = next(iter(loader))
-    F.cross_entropy(model(x), y).backward()
+    F.cross_entropy(model(x[:1]), y[:1]).backward()
+    opt.accumulate()  # the sampling event is written
+    opt.ledger.close()
+    opt.zero_grad()
+    F.cross_entropy(model(x[1:]), y[1:]).backward()
     try:
         opt.step()
-        error = None
-    except Exception as raised:
-        error = (type(raised).__name__, str(raised))
-    return {"error": error, "events": [type(e).__name__ for e in opt.ledger.events],
-            "params": [p.detach().clone() for p in model.parameters()]}
+        release = None
+    except Exception as error:
+        release = (type(error).__name__, str(error))
+    return {"dtype": dtype, "release": release}
 
 
 def main(out: str) -> None:
@@ -131,7 +225,9 @@ def main(out: str) -> None:
     results = {"world": dist.get_world_size(), "same_seed": same_seed(out, rank),
                "noise": noise(out, rank, secure=False),
                "secure_noise": noise(out, rank, secure=True),
-               "nan_record": nan_record(out, rank), "other_clip": other_clip(out, rank)}
+               "nan_record": nan_record(out, rank), "other_clip": other_clip(out, rank),
+               "failed_micro_batch": failed_micro_batch(out, rank),
+               "resumed": resumed(out, rank), "refusals": refusals(out, rank)}
     torch.save(results, out / f"rank{rank}.pt")
     dist.destroy_process_group()
 

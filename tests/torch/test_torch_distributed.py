@@ -94,13 +94,14 @@ def test_the_noise_is_drawn_once_for_all_processes(ranks, kind):
 
 def test_a_step_that_fails_in_one_process_fails_in_all_and_they_stay_in_step(ranks):
     """A NaN in record 1 (process 1's shard, q = 1): process 1 raises its NonFiniteNormError,
-    process 0 a RuntimeError saying another failed; neither records a sum query nor keeps
-    its clipped sums for the next step, which both then take alike."""
+    process 0 one saying another process's record has it (a loop that skips such steps
+    catches one kind); neither records a sum query nor keeps its clipped sums for the next
+    step, which both then take alike."""
     _, results = ranks
     nan = [r["nan_record"] for r in results]
     assert nan[1]["error"][0] == "NonFiniteNormError"
-    assert nan[0]["error"] == ("RuntimeError", "the step failed in another process (its "
-                               "error says why); nothing was released")
+    assert nan[0]["error"] == ("NonFiniteNormError", "a record of another process has a NaN "
+                               "or infinite norm (its error says which); nothing was released")
     for rank in nan:
         assert rank["after_failure"] == ["SamplingEvent"]
         assert rank["events"] == ["SamplingEvent", "SamplingEvent", "SumQueryEvent"]
@@ -109,18 +110,60 @@ def test_a_step_that_fails_in_one_process_fails_in_all_and_they_stay_in_step(ran
 
 
 def test_processes_that_clip_at_other_bounds_refuse_the_step(ranks):
-    """A process clipping at 2.0 while process 0's ledger says 1.0 would break the
-    guarantee: both raise before anything is released, each naming its own step."""
+    """A process clipping at 2.0 while process 0's ledger says 1.0 would break the guarantee:
+    make_private refuses in both; a schedule that moves the clip in process 1 only trains
+    step 0 and refuses every later step in both, before anything of it is released."""
     _, results = ranks
     other = [r["other_clip"] for r in results]
     for rank, clip in ((0, 1.0), (1, 2.0)):
-        kind, message = other[rank]["error"]
-        assert kind == "ValueError" and "the processes took different steps" in message
-        assert f"process {rank} took step 0 at q=0.2, n=40" in message
-        assert f"clip={clip}" in message and "nothing was released" in message
-        assert other[rank]["events"] == ["SamplingEvent"]
+        made = other[rank]["made"]
+        assert made.startswith(f"the processes disagree: process {rank} has q=0.2, n=40 and")
+        assert f"clip={clip}" in made and "the same arguments in every process" in made
+        taken = other[rank]["taken"]
+        assert taken[0] is None and len(taken) == run.STEPS
+        for step, message in enumerate(taken[1:], start=1):
+            assert f"process {rank} has step {step} at q=0.2" in message
+            assert f"clip={1.0 + rank}" in message and "nothing was released" in message
+        assert other[rank]["events"] == ["SamplingEvent", "SumQueryEvent"] + [
+            "SamplingEvent"] * (run.STEPS - 1)
     for p, q in zip(other[0]["params"], other[1]["params"]):
         assert torch.equal(p, q)
+
+
+def test_a_micro_batch_that_fails_in_one_process_abandons_the_step_in_all(ranks):
+    """Process 1's accumulate() raises on the NaN record and drops its later micro-batches;
+    step() raises in both (the same kind), nothing is released, and the next sample trains
+    in both alike."""
+    _, results = ranks
+    failed = [r["failed_micro_batch"] for r in results]
+    assert failed[0]["raised"] == [("step", 0, "NonFiniteNormError")]
+    assert failed[1]["raised"] == [("accumulate", 0, "NonFiniteNormError"),
+                                   ("step", 0, "NonFiniteNormError")]
+    for rank in failed:
+        assert rank["events"] == ["SamplingEvent", "SamplingEvent", "SumQueryEvent"]
+    for p, q in zip(failed[0]["params"], failed[1]["params"]):
+        assert torch.equal(p, q)
+
+
+def test_a_resumed_ledger_is_every_processs_so_they_price_the_run_alike(ranks):
+    """Process 0 reopens its ledger file; process 1 starts from its events."""
+    _, results = ranks
+    resumed = [r["resumed"] for r in results]
+    assert resumed[0] == resumed[1] and resumed[0]["events"] == 8
+    assert resumed[0]["epsilons"][1] > resumed[0]["epsilons"][0]
+
+
+def test_other_models_and_a_failed_release_raise_in_every_process(ranks):
+    _, results = ranks
+    refusals = [r["refusals"] for r in results]
+    for rank in refusals:
+        assert rank["dtype"] == ("process 1's model differs from process 0's: ('0.weight', "
+                                 "(16, 6), 'torch.float64') against ('0.weight', (16, 6), "
+                                 "'torch.float32') (name, shape, dtype); make the same "
+                                 "model in every process")
+    assert refusals[0]["release"][0] == "LedgerError"  # its file closed after the sampling
+    assert refusals[1]["release"] == ("RuntimeError", "the release failed in another process "
+                                      "(its error says why); nothing was applied")
 
 
 def test_sharded_batch_samplers_split_one_sample():
