@@ -18,6 +18,7 @@ example's own loss. ``"sum"`` takes them as they are.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping, Sequence
 
 import torch
@@ -29,7 +30,7 @@ from .fallback import FallbackUnit, recording
 from .independence import Probe, probing
 from .instrumentation import forget, instrumentation
 from .layers import (PREFERENCES, RULES, AccumulationError, NotPerExampleError, Rule,
-                     add_contraction, keep_rows, row_sq_norms)
+                     add_contraction, keep_rows, row_sq_norms, tick)
 from .recurrent import RECURRENT_RULES
 
 MODES = ("auto", "vmap")
@@ -171,6 +172,8 @@ class PerExampleEngine:
         self._leaked: set[str] = set()
         self._waiting: set[int] = set()  # ids of unreached calls kept through a clear()
         self._summed: dict[str, torch.Tensor] = {}  # leaves used several times: sum of uses
+        self._model_calls: list[tuple] = []  # (first tick, last tick, examples of its input)
+        self._model_call = None  # the (first tick, examples) of a call of the model running
         if mode == "vmap":
             self._add_fallback(module, recurse=True, prefix="")
         else:
@@ -193,6 +196,10 @@ class PerExampleEngine:
                     sub.register_forward_pre_hook(torch.compiler.disable(self._probe.start),
                                                   with_kwargs=True),
                     sub.register_forward_hook(torch.compiler.disable(self._probe.finish),
+                                              with_kwargs=True),
+                    sub.register_forward_pre_hook(torch.compiler.disable(self._model_called),
+                                                  with_kwargs=True),
+                    sub.register_forward_hook(torch.compiler.disable(self._model_returned),
                                               with_kwargs=True)]
             if hooks:
                 instrumentation(sub).hooks.extend(hooks)
@@ -232,6 +239,50 @@ class PerExampleEngine:
                  for k, p in module.named_parameters(recurse=recurse) if p.requires_grad}
         if names:
             self.units.append(FallbackUnit(module, names, recurse))
+
+    def _model_called(self, module, args, kwargs) -> None:
+        """Root forward pre-hook: the examples of the model's input, the common size of axis
+        0 of its tensors (arguments, values of dicts and dataclasses; a list is one value per
+        example), None if they differ."""
+        if recording():
+            sizes = set()
+            for value in (*args, *kwargs.values()):
+                if isinstance(value, Mapping):
+                    values = list(value.values())
+                elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+                    values = [getattr(value, f.name) for f in dataclasses.fields(value)]
+                else:
+                    values = [value]
+                sizes.update(t.shape[0] for t in values
+                             if isinstance(t, torch.Tensor) and t.dim() > 0)
+            self._model_call = (tick(), sizes.pop() if len(sizes) == 1 else None)
+
+    def _model_returned(self, module, args, kwargs, output) -> None:
+        if self._model_call is not None:
+            start, examples = self._model_call
+            if examples is not None:
+                self._model_calls = [*self._model_calls[-7:], (start, tick(), examples)]
+            self._model_call = None
+
+    def _check_rows(self, unit, call) -> None:
+        """Refuse a layer call that saw k >= 2 rows for each example of the input of the
+        model's call it was made in: they would be clipped apart. (Other counts are left to
+        the independence check: a time-major input's axis 0 is not its examples.)"""
+        if call.born is None:
+            return
+        for start, end, examples in self._model_calls:
+            rows = call.batch_size
+            if start < call.born < end and rows > examples > 0 and rows % examples == 0:
+                raise NotPerExampleError(
+                    f"{type(self.module).__name__}'s input has {examples} examples on axis 0, "
+                    f"but its layer {type(unit.module).__name__} saw {call.batch_size} rows: "
+                    f"a model that folds several rows per example into the batch "
+                    f"(augmentations of one image, one user's examples: x.flatten(0, 1)) "
+                    f"would have each row clipped apart, and an example bounded by several "
+                    f"clips. Use make_private(..., mode='vmap'), which clips each example's "
+                    f"rows as one, or keep them off axis 0 (a Linear on (B, K, d) treats K as "
+                    f"a sequence); if the model's input rows are not its examples, "
+                    f"check_independence=False")
 
     def _leak_detector(self, leaf: str):
         def detect(grad):
@@ -356,6 +407,10 @@ class PerExampleEngine:
     def sq_norms(self, leaves: Sequence[str]):
         """Squared per-example norms (B, L), columns in ``leaves`` order."""
         contributions, batch = self._contributions()
+        if self._model_calls:  # once per step: the norms come before any clipped sum
+            for unit, call in {id(c): (u, c) for uses in contributions.values()
+                               for u, c, _ in uses}.values():
+                self._check_rows(unit, call)
         cols = []
         for leaf in leaves:
             uses = contributions[leaf]

@@ -393,3 +393,37 @@ def test_long_runs_of_one_id_keep_embedding_norms_within_one_percent():
     got = (1e-6 / np.asarray(factors, np.float64)[:, 0]) ** 2
     exact = cancelling.exact_rows_sq_norms(ids, g, vocab)
     assert (got >= exact * (1 - 1e-6)).all() and (got <= exact * 1.01).all()
+
+
+def several_rows(loss_fn, k):
+    """A record of ``k`` rows (augmentations of one image, one user's examples): its loss is
+    the mean of its rows' losses, so its gradient is the mean of theirs, clipped as one."""
+    def loss(params, batch):
+        x, y = batch
+        b = x.shape[0]
+        rows = (x.reshape(b * k, *x.shape[2:]), jnp.repeat(y, k))
+        return loss_fn(params, rows).reshape(b, k).mean(1)
+    return loss
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "transformer"])
+@pytest.mark.parametrize("method", ["ghost", "vmap"])
+def test_records_of_several_rows_are_clipped_as_one(kind, method):
+    """Augmentation multiplicity (De et al., 2022) and user-level records: 8 records of 3
+    rows each against the float64 oracle of one record at a time; a rule that clipped each
+    row would bound a record by 3 clips (checked to differ)."""
+    rng = np.random.default_rng(4)
+    loss_fn, params = models.model(rng, kind)
+    x, y = models.data(rng, kind, 24)
+    batch = (x.reshape(8, 3, *x.shape[1:]), y[::3])
+    loss = several_rows(loss_fn, 3)
+    mask = np.array([1, 1, 0, 1, 1, 1, 1, 1], bool)
+    mechanism = mechanism_for(params, kind)
+    sums, _ = jax.jit(clipped_sums(loss, mechanism, method=method))(params, batch, mask)
+    per_record = models.float64_oracle(loss, params, batch)
+    assert_close(named_leaves(sums), oracle_sums(per_record, mechanism, mask), f"{kind}/{method}")
+    per_row = models.float64_oracle(loss_fn, params, (x, np.repeat(y[::3], 3)))
+    by_rows = oracle_sums({leaf: g / 3 for leaf, g in per_row.items()}, mechanism,
+                          np.repeat(mask, 3))
+    assert any(np.abs(by_rows[leaf] - value).max() > 1e-3
+               for leaf, value in named_leaves(sums).items())

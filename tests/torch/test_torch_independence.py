@@ -887,3 +887,69 @@ def test_sorted_packed_sequences_and_a_shared_square_mask_pass():
     mask = nn.Transformer.generate_square_subsequent_mask(6)
     first_step(model, engine, torch.randn(6, 6, 8), mask)
     assert engine._probe.checked == 1
+
+
+class Augmented(nn.Module):
+    """Each example is k augmentations of one image (k, 1, 6, 6), folded into the batch
+    for the convolution and averaged in the loss (augmentation multiplicity)."""
+
+    def __init__(self, k=3):
+        super().__init__()
+        self.k, self.conv, self.fc = k, nn.Conv2d(1, 4, 3), nn.Linear(64, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x.flatten(0, 1)))
+        return self.fc(h.flatten(1)).view(len(x), self.k, 3)
+
+
+def augmented_loss(out, y):
+    return F.cross_entropy(out.flatten(0, 1), y.repeat_interleave(out.shape[1]))
+
+
+def augmented_training(mode, clip=1e-3):
+    """One step of noise 0 on 10 examples of 3 augmentations: (model, optimizer, batch and
+    the parameters before)."""
+    torch.manual_seed(1)
+    model = Augmented().double()
+    gen = torch.Generator().manual_seed(2)
+    ds = TensorDataset(torch.randn(40, 3, 1, 6, 6, generator=gen, dtype=torch.float64),
+                       torch.randint(0, 3, (40,), generator=gen))
+    before = [p.detach().clone() for p in model.parameters()]
+    model, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=1.0),
+                                      DataLoader(ds, batch_size=10), noise_multiplier=0.0,
+                                      max_grad_norm=clip, seed=0, mode=mode)
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    augmented_loss(model(x), y).backward()
+    return model, opt, (x, y), before
+
+
+def test_a_model_folding_several_rows_per_example_into_the_batch_is_refused():
+    """Its layers see 3 rows per example: clipped apart, an example would be bounded by 3
+    clips. Refused at the step, before any sum is released."""
+    model, opt, _, before = augmented_training("auto")
+    with pytest.raises(NotPerExampleError, match=r"Augmented's input has \d+ examples on axis "
+                       r"0, but its layer Conv2d saw \d+ rows: .*mode='vmap'"):
+        opt.step()
+    assert [type(e).__name__ for e in opt.ledger.events] == ["SamplingEvent"]
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_mode_vmap_clips_the_rows_of_an_example_as_one():
+    """Against a float64 loop over the examples, each one's gradient clipped to 1e-3."""
+    model, opt, (x, y), before = augmented_training("vmap")
+    opt.step()
+    twin = Augmented().double()
+    with torch.no_grad():
+        for p, b in zip(twin.parameters(), before):
+            p.copy_(b)
+    total = [torch.zeros_like(p) for p in twin.parameters()]
+    for i in range(len(x)):
+        grads = torch.autograd.grad(augmented_loss(twin(x[i:i + 1]), y[i:i + 1]),
+                                    list(twin.parameters()))
+        norm = torch.sqrt(sum((g ** 2).sum() for g in grads))
+        for t, g in zip(total, grads):
+            t += g * min(1.0, 1e-3 / norm.item())
+    expected = [b - t / opt.aggregator.expected_size for b, t in zip(before, total)]
+    for p, e in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.detach(), e, rtol=1e-9, atol=1e-12)
