@@ -131,6 +131,28 @@ class _RuleUnit:
         return {k: self.rule.cached_grad(self.module, call, k) for k in self.names}
 
 
+def _input_shapes(args, kwargs) -> tuple[set, set]:
+    """(the sizes of axis 0, the sizes of every axis and the lengths of lists) of a model
+    call's inputs: its tensor arguments and those one level into lists, tuples, dicts and
+    dataclasses."""
+    firsts, sizes = set(), set()
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Mapping):
+            values = list(value.values())
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            values = [getattr(value, f.name) for f in dataclasses.fields(value)]
+        elif isinstance(value, (list, tuple)):
+            values = list(value)
+            sizes.add(len(value))
+        else:
+            values = [value]
+        for t in values:
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                firsts.add(t.shape[0])
+                sizes.update(t.shape)
+    return firsts, sizes
+
+
 class PerExampleEngine:
     """Per-example norms and clipped sums of ``module``'s trainable parameters.
 
@@ -172,8 +194,8 @@ class PerExampleEngine:
         self._leaked: set[str] = set()
         self._waiting: set[int] = set()  # ids of unreached calls kept through a clear()
         self._summed: dict[str, torch.Tensor] = {}  # leaves used several times: sum of uses
-        self._model_calls: list[tuple] = []  # (first tick, last tick, examples of its input)
-        self._model_call = None  # the (first tick, examples) of a call of the model running
+        self._model_calls: list[tuple] = []  # the model's calls: (first, last tick, shapes)
+        self._model_call = None  # the (first tick, shapes) of a call of the model running
         if mode == "vmap":
             self._add_fallback(module, recurse=True, prefix="")
         else:
@@ -241,42 +263,35 @@ class PerExampleEngine:
             self.units.append(FallbackUnit(module, names, recurse))
 
     def _model_called(self, module, args, kwargs) -> None:
-        """Root forward pre-hook: the examples of the model's input, the common size of axis
-        0 of its tensors (arguments, values of dicts and dataclasses; a list is one value per
-        example), None if they differ."""
+        """Root forward pre-hook: what the model's input says of its examples
+        (:func:`_input_shapes`, read by :meth:`_check_rows`)."""
         if recording():
-            sizes = set()
-            for value in (*args, *kwargs.values()):
-                if isinstance(value, Mapping):
-                    values = list(value.values())
-                elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-                    values = [getattr(value, f.name) for f in dataclasses.fields(value)]
-                else:
-                    values = [value]
-                sizes.update(t.shape[0] for t in values
-                             if isinstance(t, torch.Tensor) and t.dim() > 0)
-            self._model_call = (tick(), sizes.pop() if len(sizes) == 1 else None)
+            self._model_call = (tick(), _input_shapes(args, kwargs))
 
     def _model_returned(self, module, args, kwargs, output) -> None:
         if self._model_call is not None:
-            start, examples = self._model_call
-            if examples is not None:
-                self._model_calls = [*self._model_calls[-7:], (start, tick(), examples)]
+            start, shapes = self._model_call
+            self._model_calls.append((start, tick(), shapes))
             self._model_call = None
 
     def _check_rows(self, unit, call) -> None:
-        """Refuse a layer call that saw k >= 2 rows for each example of the input of the
-        model's call it was made in: they would be clipped apart. (Other counts are left to
-        the independence check: a time-major input's axis 0 is not its examples.)"""
+        """Refuse a layer call that saw k >= 2 rows for each of s examples, s the size of
+        axis 0 of an input tensor of the model's call it was made in, and k s the size of no
+        axis of its inputs: a model that folds k rows per example into the batch, whose rows
+        would be clipped apart. (A time-major input (T, B, ...) has B on axis 1: left to the
+        independence check, as are row counts that are no multiple.)"""
         if call.born is None:
             return
-        for start, end, examples in self._model_calls:
-            rows = call.batch_size
-            if start < call.born < end and rows > examples > 0 and rows % examples == 0:
+        rows = call.batch_size
+        for start, end, (firsts, sizes) in self._model_calls:
+            if not start < call.born < end or rows in sizes:
+                continue
+            folded = [s for s in firsts if rows >= 2 * s and rows % s == 0]
+            if folded:
                 raise NotPerExampleError(
-                    f"{type(self.module).__name__}'s input has {examples} examples on axis 0, "
-                    f"but its layer {type(unit.module).__name__} saw {call.batch_size} rows: "
-                    f"a model that folds several rows per example into the batch "
+                    f"{type(self.module).__name__}'s input has {max(folded)} examples on "
+                    f"axis 0, but its layer {type(unit.module).__name__} saw {rows} rows: a "
+                    f"model that folds several rows per example into the batch "
                     f"(augmentations of one image, one user's examples: x.flatten(0, 1)) "
                     f"would have each row clipped apart, and an example bounded by several "
                     f"clips. Use make_private(..., mode='vmap'), which clips each example's "
@@ -325,6 +340,8 @@ class PerExampleEngine:
                 else:
                     call.release()
         self._waiting = waiting
+        kept = [call.born for unit in self.units for call in unit.calls if call.born is not None]
+        self._model_calls = [c for c in self._model_calls if kept and c[1] > min(kept)]
         self._leaked.clear()
         self._summed.clear()
         if self._probe is not None:
@@ -363,7 +380,9 @@ class PerExampleEngine:
             raise ValueError(f"the layers saw batches of different sizes {sorted(sizes)} in one "
                              f"step; dpcore needs every layer's input to have the examples on "
                              f"axis 0 (batch_first=True; an nn.EmbeddingBag takes a padded "
-                             f"(B, T) tensor with padding_idx, not 1-D tokens with offsets)")
+                             f"(B, T) tensor with padding_idx, not 1-D tokens with offsets; a "
+                             f"model that folds several rows per example into the batch, "
+                             f"x.flatten(0, 1), needs mode='vmap')")
         return contributions, (sizes.pop() if sizes else 0)
 
     def _scale(self, batch: int) -> float:

@@ -75,8 +75,9 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     layer (:func:`dpcore_torch.layers.use_ghost`). ``accountant`` calibrates ``target_epsilon``.
     ``check_independence``: the model's first two training steps raise
     :class:`NotPerExampleError` if it mixes the examples of the batch
-    (:mod:`dpcore_torch.independence`); turn it off only for a model whose inputs or outputs
-    have rows that are not the examples.
+    (:mod:`dpcore_torch.independence`), and every step a layer that sees k >= 2 rows per
+    example of the model's input (a model folding augmentations into the batch) raises it;
+    turn it off only for a model whose inputs or outputs have rows that are not the examples.
 
     ``clip_policy`` makes the clip move: ``"adaptive"`` (adaptive quantile clipping with the
     paper's defaults, starting from ``max_grad_norm``; the noise multiplier is the total, count

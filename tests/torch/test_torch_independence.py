@@ -953,3 +953,41 @@ def test_mode_vmap_clips_the_rows_of_an_example_as_one():
     expected = [b - t / opt.aggregator.expected_size for b, t in zip(before, total)]
     for p, e in zip(model.parameters(), expected):
         torch.testing.assert_close(p.detach(), e, rtol=1e-9, atol=1e-12)
+
+
+class ListInput(Augmented):
+    """Augmented, called as model([x, y]) (a DataLoader's batch as it comes)."""
+
+    def forward(self, batch):
+        return super().forward(batch[0])
+
+
+class TimeMajorTokens(nn.Module):
+    """Token ids (T, B), time-major: transposed inside, so every layer sees the B examples."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(11, 4), nn.Linear(4, 3)
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens.t()).mean(1))
+
+
+def test_folding_is_refused_whatever_the_inputs_and_calls_after_it():
+    """The batch in a list, and eight more calls of the model after the step's (logging),
+    do not hide the folded rows; a time-major input with 2 rows per 4 examples is not
+    taken for folding."""
+    torch.manual_seed(1)
+    x, y = torch.randn(4, 3, 1, 6, 6), torch.randint(0, 3, (4,))
+    for model, call in ((Augmented(), lambda m: m(x)), (ListInput(), lambda m: m([x, y]))):
+        engine = PerExampleEngine(model)
+        augmented_loss(call(model), y).backward()
+        for _ in range(8):
+            call(model)
+        with pytest.raises(NotPerExampleError, match="input has 4 examples on axis 0, but its "
+                                                     "layer Conv2d saw 12 rows"):
+            engine.sq_norms(list(engine.params))
+    model = TimeMajorTokens()
+    engine = PerExampleEngine(model, loss_reduction="sum")
+    model(torch.randint(0, 11, (2, 4))).sum().backward()
+    assert engine.sq_norms(list(engine.params)).shape == (4, 3)
