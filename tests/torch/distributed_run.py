@@ -80,22 +80,32 @@ def noise(out: Path, rank: int, secure: bool) -> dict:
     return {"noise": torch.cat(released), "weight": model.weight.detach().clone()}
 
 
-def nan_record(out: Path, rank: int) -> dict:
-    """q = 1, a NaN in record 1 (process 1's): both processes raise at the step, neither
-    releases; the next step (without it) runs in both."""
+def with_a_nan_record():
+    """(model, optimizer, batch) at q = 1 over 16 records, record 1 (process 1's) NaN."""
     ds = data(16)
     ds.tensors[0][1, 0] = math.nan
     model = mlp()
     model, opt, loader = make_private(
         model, torch.optim.SGD(model.parameters(), lr=0.5), DataLoader(ds, batch_size=8),
         noise_multiplier=1.0, max_grad_norm=1.0, seed=0, distributed=True)
-    x, y, index = next(iter(loader))
-    F.cross_entropy(model(x), y).backward()
+    return model, opt, next(iter(loader))
+
+
+def outcome(step) -> tuple[str, str] | None:
+    """None if ``step()`` returns, else the type and message of what it raised."""
     try:
-        opt.step()
-        error = None
+        step()
     except Exception as raised:
-        error = (type(raised).__name__, str(raised))
+        return type(raised).__name__, str(raised)
+    return None
+
+
+def nan_record(out: Path, rank: int) -> dict:
+    """q = 1, a NaN in record 1 (process 1's): both processes raise at the step, neither
+    releases; the next step (without it) runs in both."""
+    model, opt, (x, y, index) = with_a_nan_record()
+    F.cross_entropy(model(x), y).backward()
+    error = outcome(opt.step)
     after_failure = [type(e).__name__ for e in opt.ledger.events]
     keep = index != 1
     opt.zero_grad()
@@ -110,13 +120,9 @@ def other_clip(out: Path, rank: int) -> dict:
     """Process 1 clips at 2.0, process 0 (whose ledger is the file) at 1.0: both refuse at
     make_private. A clip moving otherwise in one process (a schedule of its own) is refused
     at the step where it differs, before anything of it is released."""
-    try:
-        make_private(mlp(), torch.optim.SGD(mlp().parameters(), lr=0.5),
-                     DataLoader(data(), batch_size=4), noise_multiplier=1.0,
-                     max_grad_norm=1.0 + rank, distributed=True)
-        made = None
-    except ValueError as raised:
-        made = str(raised)
+    made = outcome(lambda: make_private(
+        mlp(), torch.optim.SGD(mlp().parameters(), lr=0.5), DataLoader(data(), batch_size=4),
+        noise_multiplier=1.0, max_grad_norm=1.0 + rank, distributed=True))
     model = mlp()
     model, opt, loader = make_private(
         model, torch.optim.SGD(model.parameters(), lr=0.5), DataLoader(data(), batch_size=4),
@@ -126,11 +132,7 @@ def other_clip(out: Path, rank: int) -> dict:
     for x, y, _ in loader:
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
-        try:
-            opt.step()
-            taken.append(None)
-        except ValueError as raised:
-            taken.append(str(raised))
+        taken.append(outcome(opt.step))
     return {"made": made, "taken": taken,
             "events": [type(e).__name__ for e in opt.ledger.events],
             "params": [p.detach().clone() for p in model.parameters()]}
@@ -140,13 +142,7 @@ def failed_micro_batch(out: Path, rank: int) -> dict:
     """q = 1 in micro-batches of 2 records: process 1's second holds the NaN record 1 (its
     accumulate() raises; its later micro-batches are dropped); both processes' step()
     raises, and both then train the next sample alike."""
-    ds = data(16)
-    ds.tensors[0][1, 0] = math.nan
-    model = mlp()
-    model, opt, loader = make_private(
-        model, torch.optim.SGD(model.parameters(), lr=0.5), DataLoader(ds, batch_size=8),
-        noise_multiplier=1.0, max_grad_norm=1.0, seed=0, distributed=True)
-    x, y, index = next(iter(loader))
+    model, opt, (x, y, index) = with_a_nan_record()
     raised = []
     for step in range(2):
         for part in range(0, len(x), 2):
@@ -155,14 +151,8 @@ def failed_micro_batch(out: Path, rank: int) -> dict:
                 continue
             opt.zero_grad()
             F.cross_entropy(model(x[keep]), y[keep]).backward()
-            try:
-                opt.accumulate()
-            except Exception as error:
-                raised.append(("accumulate", step, type(error).__name__))
-        try:
-            opt.step()
-        except Exception as error:
-            raised.append(("step", step, type(error).__name__))
+            raised.append(("accumulate", step, outcome(opt.accumulate)))
+        raised.append(("step", step, outcome(opt.step)))
     return {"raised": raised, "events": [type(e).__name__ for e in opt.ledger.events],
             "params": [p.detach().clone() for p in model.parameters()]}
 
@@ -191,13 +181,9 @@ def refusals(out: Path, rank: int) -> dict:
     """A float64 model in process 1 only is refused at make_private in both; a release whose
     ledger write fails in process 0 (its file closed) fails in both."""
     model = mlp().double() if rank == 1 else mlp()
-    try:
-        make_private(model, torch.optim.SGD(model.parameters(), lr=0.5),
-                     DataLoader(data(), batch_size=4), noise_multiplier=1.0,
-                     max_grad_norm=1.0, distributed=True)
-        dtype = None
-    except ValueError as error:
-        dtype = str(error)
+    dtype = outcome(lambda: make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), DataLoader(data(), batch_size=4),
+        noise_multiplier=1.0, max_grad_norm=1.0, distributed=True))
     model = mlp()
     model, opt, loader = make_private(
         model, torch.optim.SGD(model.parameters(), lr=0.5), DataLoader(data(), batch_size=4),
@@ -209,12 +195,7 @@ def refusals(out: Path, rank: int) -> dict:
     opt.ledger.close()
     opt.zero_grad()
     F.cross_entropy(model(x[1:]), y[1:]).backward()
-    try:
-        opt.step()
-        release = None
-    except Exception as error:
-        release = (type(error).__name__, str(error))
-    return {"dtype": dtype, "release": release}
+    return {"dtype": dtype, "release": outcome(opt.step)}
 
 
 def main(out: str) -> None:

@@ -116,13 +116,14 @@ def test_processes_that_clip_at_other_bounds_refuse_the_step(ranks):
     _, results = ranks
     other = [r["other_clip"] for r in results]
     for rank, clip in ((0, 1.0), (1, 2.0)):
-        made = other[rank]["made"]
+        kind, made = other[rank]["made"]
+        assert kind == "ValueError"
         assert made.startswith(f"the processes disagree: process {rank} has q=0.2, n=40 and")
         assert f"clip={clip}" in made and "the same arguments in every process" in made
         taken = other[rank]["taken"]
         assert taken[0] is None and len(taken) == run.STEPS
-        for step, message in enumerate(taken[1:], start=1):
-            assert f"process {rank} has step {step} at q=0.2" in message
+        for step, (kind, message) in enumerate(taken[1:], start=1):
+            assert kind == "ValueError" and f"process {rank} has step {step} at q=0.2" in message
             assert f"clip={1.0 + rank}" in message and "nothing was released" in message
         assert other[rank]["events"] == ["SamplingEvent", "SumQueryEvent"] + [
             "SamplingEvent"] * (run.STEPS - 1)
@@ -136,9 +137,13 @@ def test_a_micro_batch_that_fails_in_one_process_abandons_the_step_in_all(ranks)
     in both alike."""
     _, results = ranks
     failed = [r["failed_micro_batch"] for r in results]
-    assert failed[0]["raised"] == [("step", 0, "NonFiniteNormError")]
-    assert failed[1]["raised"] == [("accumulate", 0, "NonFiniteNormError"),
-                                   ("step", 0, "NonFiniteNormError")]
+    raised = [[(where, step, error[0]) for where, step, error in rank["raised"] if error]
+              for rank in failed]
+    assert raised[0] == [("step", 0, "NonFiniteNormError")]
+    assert raised[1] == [("accumulate", 0, "NonFiniteNormError"),
+                         ("step", 0, "NonFiniteNormError")]
+    assert all(error is None for rank in failed for where, step, error in rank["raised"]
+               if step == 1)
     for rank in failed:
         assert rank["events"] == ["SamplingEvent", "SamplingEvent", "SumQueryEvent"]
     for p, q in zip(failed[0]["params"], failed[1]["params"]):
@@ -157,7 +162,8 @@ def test_other_models_and_a_failed_release_raise_in_every_process(ranks):
     _, results = ranks
     refusals = [r["refusals"] for r in results]
     for rank in refusals:
-        assert rank["dtype"] == ("process 1's model differs from process 0's: ('0.weight', "
+        assert rank["dtype"][0] == "ValueError"
+        assert rank["dtype"][1] == ("process 1's model differs from process 0's: ('0.weight', "
                                  "(16, 6), 'torch.float64') against ('0.weight', (16, 6), "
                                  "'torch.float32') (name, shape, dtype); make the same "
                                  "model in every process")
