@@ -271,7 +271,8 @@ class PerExampleEngine:
     def _model_returned(self, module, args, kwargs, output) -> None:
         if self._model_call is not None:
             start, shapes = self._model_call
-            self._model_calls.append((start, tick(), shapes))
+            # until the engine's clear(); a loop that never clears keeps the last 64
+            self._model_calls = [*self._model_calls[-63:], (start, tick(), shapes)]
             self._model_call = None
 
     def _check_rows(self, unit, call) -> None:
