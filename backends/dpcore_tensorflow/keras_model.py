@@ -41,6 +41,7 @@ class _State:
         self.dp: PrivateGradients | None = None
         self.clips: tf.Variable | None = None
         self.stds: tf.Variable | None = None
+        self.normals: tf.Variable | None = None  # a secure aggregator's, drawn on the host
         self.assigned = None  # the (clips, stds) values the variables hold
 
 
@@ -82,6 +83,9 @@ class PrivateModel(keras.Model):
             groups, leaves = len(state.dp.clipper.structure), len(state.dp.clipper.leaves)
             state.clips = tf.Variable(tf.zeros([groups], tf.float64), trainable=False)
             state.stds = tf.Variable(tf.zeros([leaves], tf.float64), trainable=False)
+            if state.aggregator.secure:
+                state.normals = tf.Variable(tf.zeros([state.dp.noise_size], tf.float64),
+                                            trainable=False)
             state.assigned = None
         return state.dp
 
@@ -90,7 +94,8 @@ class PrivateModel(keras.Model):
         if mask is None:
             mask = tf.ones([tf.shape(tf.nest.flatten(x)[0])[0]], tf.bool)
         state = self._dp_state
-        grads, losses, outputs, bad = state.dp.graph_step(x, y, mask, state.clips, state.stds)
+        grads, losses, outputs, bad = state.dp.graph_step(x, y, mask, state.clips, state.stds,
+                                                          state.normals)
         optimizer = self.optimizer
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             # Keras wraps it under mixed_float16 and would divide by the loss scale; the
@@ -122,6 +127,8 @@ class PrivateModel(keras.Model):
                 state.clips.assign(inputs[0])
                 state.stds.assign(inputs[1])
                 state.assigned = inputs
+            if state.normals is not None:  # fresh for every step
+                state.normals.assign(dp.host_normals())
             logs = compiled(iterator)
             if state.aggregator.on_nonfinite == "raise" and int(logs["nonfinite_records"]):
                 raise NonFiniteNormError(
@@ -199,11 +206,14 @@ def make_private(model: keras.Model, *, n: int, batch_size: float | None = None,
                  q: float | None = None, max_grad_norm: float = 1.0,
                  noise_multiplier: float = 1.0, clipping="flat", ledger=None, seed=None,
                  mode: str = "auto", on_nonfinite: str = "raise",
-                 clip_schedule=None, check_independence: bool = True) -> PrivateModel:
+                 clip_schedule=None, check_independence: bool = True,
+                 secure: bool = False) -> PrivateModel:
     """A :class:`PrivateModel` around a built ``model``, for ``n`` records sampled at rate
     ``q`` (or ``batch_size / n``: the expected batch size). ``ledger`` is a path or a
     :class:`dpcore.Ledger`; ``seed`` fixes sampling and noise (tests only); ``clip_schedule``
-    is a dpcore clip schedule. ``check_independence`` (default) checks on the first two batches
+    is a dpcore clip schedule. ``secure`` draws sampling and noise from the system's
+    cryptographically secure generator, on the host (:mod:`dpcore.secure`; no ``seed``).
+    ``check_independence`` (default) checks on the first two batches
     that the model keeps its examples apart, and raises
     :class:`~dpcore_tensorflow.independence.NotPerExampleError` if it does not."""
     if (q is None) == (batch_size is None):
@@ -215,5 +225,6 @@ def make_private(model: keras.Model, *, n: int, batch_size: float | None = None,
     q = batch_size / n if q is None else q
     mechanism = build_mechanism(model, clipping, max_grad_norm, noise_multiplier)
     aggregator = PrivateAggregator(mechanism, n=n, q=q, backend="tensorflow", ledger=ledger,
-                                   seed=seed, on_nonfinite=on_nonfinite, clipping=clip_schedule)
+                                   seed=seed, on_nonfinite=on_nonfinite, clipping=clip_schedule,
+                                   secure=secure)
     return PrivateModel(model, aggregator, mode=mode, check_independence=check_independence)

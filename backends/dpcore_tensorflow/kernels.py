@@ -91,10 +91,12 @@ def standard_normal(generator: tf.random.Generator, n: int, dtype=tf.float32) ->
 
 
 def noisy_mean(sums: Mapping[str, tf.Tensor], leaves: Sequence[str], stds: tf.Tensor,
-               generator: tf.random.Generator, expected_size: float) -> dict[str, tf.Tensor]:
+               noise: tf.random.Generator | tf.Tensor,
+               expected_size: float) -> dict[str, tf.Tensor]:
     """``(sums[j] + stds[j] N(0, I)) / (q n)`` for the ``leaves`` (stds in that order, from
-    :func:`leaf_stds_of`), noise from ``generator``, in graph: one draw of sum_j d_j normals
-    (float64 if any leaf is, else float32) split into the leaves.
+    :func:`leaf_stds_of`), in graph. ``noise`` is the generator of one draw of sum_j d_j
+    normals (float64 if any leaf is, else float32) split into the leaves, or those normals
+    themselves, drawn on the host (a secure aggregator's, :mod:`dpcore.secure`).
 
     The caller must have written the step's sum-query events to the ledger before the result
     of the function that runs this is released."""
@@ -103,10 +105,16 @@ def noisy_mean(sums: Mapping[str, tf.Tensor], leaves: Sequence[str], stds: tf.Te
     totals = [sums[leaf] for leaf in leaves]
     dtype = tf.float64 if any(t.dtype == tf.float64 for t in totals) else tf.float32
     sizes = [t.shape.num_elements() for t in totals]
-    noise = tf.split(standard_normal(generator, sum(sizes), dtype), sizes)
+    if isinstance(noise, tf.random.Generator):
+        normals = standard_normal(noise, sum(sizes), dtype)
+    elif noise.shape != [sum(sizes)]:
+        raise ValueError(f"the step needs {sum(sizes)} normals, got a tensor of shape "
+                         f"{noise.shape}")
+    else:
+        normals = tf.cast(noise, dtype)
     scales = tf.unstack(tf.cast(stds / expected_size, dtype), num=len(leaves))
     out = {}
-    for leaf, total, z, scale in zip(leaves, totals, noise, scales):
+    for leaf, total, z, scale in zip(leaves, totals, tf.split(normals, sizes), scales):
         z, scale = tf.cast(tf.reshape(z, total.shape), total.dtype), tf.cast(scale, total.dtype)
         out[leaf] = total / expected_size + scale * z
     return out

@@ -7,7 +7,8 @@ One step t:
    (S_g, sigma~_g) are written as sum-query events, so a released step always has its events;
 2. graph: per-example norms and clipped sums by book-keeping (:mod:`.bookkeeping`), clip
    factors min(1, S_g / ||v_ig||) (:mod:`.kernels`), noise alpha_j sigma~_g N(0, I) from the
-   aggregator's ``tf.random.Generator``, division by the public q n.
+   aggregator's ``tf.random.Generator`` (a ``secure`` aggregator's normals are drawn on the
+   host, from the system's CSPRNG, and enter as a tensor), division by the public q n.
 
 Clips and noise enter as tensors, so schedules that move them do not retrace. Adaptive
 clipping's count queries are not part of the fused step (use ``backend.private_gradient``).
@@ -15,6 +16,7 @@ clipping's count queries are not part of the fused step (use ``backend.private_g
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import keras
@@ -86,9 +88,7 @@ class PrivateGradients:
                              if check_independence and mode != "vectorized" else None)
         self._checked = False  # check() ran for the step about to be recorded
         self.aggregator = aggregator
-        aggregator.require_backend_generator("dpcore_tensorflow's PrivateGradients (and the "
-                                             "Keras model of make_private)")
-        if not isinstance(aggregator.rng, tf.random.Generator):
+        if not (aggregator.secure or isinstance(aggregator.rng, tf.random.Generator)):
             raise TypeError(f"the aggregator's generator is {type(aggregator.rng).__name__}; "
                             f"create it with backend='tensorflow' so noise is drawn in graph")
         self.clipper = GroupClipper(aggregator.mechanism, self.engine.names)
@@ -136,14 +136,37 @@ class PrivateGradients:
         agg.record_release()
         return self._inputs
 
-    def graph_step(self, x, y, mask, clips, stds):
+    @property
+    def noise_size(self) -> int:
+        """The number of normals a step draws: one per trainable value."""
+        return sum(math.prod(v.shape) for v in self.variables)
+
+    def host_normals(self) -> tf.Tensor:
+        """A ``secure`` aggregator's noise for one step: :attr:`noise_size` float64 N(0, 1)
+        values from the system's CSPRNG (:mod:`dpcore.secure`), the ``normals`` of
+        :meth:`graph_step`. Draw them afresh for every step: normals used twice would let
+        the difference of two releases cancel their noise."""
+        if not self.aggregator.secure:
+            raise ValueError("host_normals() serves a secure=True aggregator; this one's noise "
+                             "is drawn in graph from its tf.random.Generator")
+        return tf.constant(self.aggregator.rng.standard_normal(self.noise_size))
+
+    def graph_step(self, x, y, mask, clips, stds, normals=None):
         """In graph: ``(grads in variable order, losses (B,), outputs, nonfinite (B,))`` for
         clips (G,) and leaf noise stds (L,) tensors. Whoever runs this must have called
-        :meth:`record_step` for the step on the host (it gives clips and stds)."""
+        :meth:`record_step` for the step on the host (it gives clips and stds). A ``secure``
+        aggregator's step takes its ``normals`` from :meth:`host_normals`, any other draws
+        them in graph (``normals`` None)."""
+        if self.aggregator.secure != (normals is not None):
+            raise ValueError(
+                "a secure=True aggregator's step takes normals=dp.host_normals() (drawn on the "
+                "host, afresh each step)" if self.aggregator.secure else
+                "normals are a secure=True aggregator's; this one draws its noise in graph")
         mask = tf.cast(mask, tf.bool)
         sums, bad, losses, outputs = self.engine.clipped_sums(x, y, self.loss_fn, self.clipper,
                                                               clips, mask)
-        means = noisy_mean(sums, self.clipper.leaves, stds, self.aggregator.rng,
+        means = noisy_mean(sums, self.clipper.leaves, stds,
+                           self.aggregator.rng if normals is None else normals,
                            self.aggregator.expected_size)
         return [means[name] for name in self.engine.names], losses, outputs, bad
 
@@ -163,7 +186,8 @@ class PrivateGradients:
         inputs = self.record_step()
         if inputs != self._tensors[0]:
             self._tensors = (inputs, tuple(tf.constant(v, tf.float64) for v in inputs))
-        grads, _, _, bad = self._function(x, y, mask, *self._tensors[1])
+        normals = self.host_normals() if self.aggregator.secure else None
+        grads, _, _, bad = self._function(x, y, mask, *self._tensors[1], normals)
         raise_on_nonfinite(self.aggregator, bad)
         return grads
 

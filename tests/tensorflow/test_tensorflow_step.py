@@ -354,18 +354,9 @@ def test_fit_takes_a_dict_of_inputs():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_secure_aggregator_is_served_by_private_gradient_and_refused_by_the_graph_step(
-        dtype):
+def test_a_secure_aggregator_is_served_by_private_gradient(dtype):
     """secure=True draws noise on the host: backend.private_gradient adds the noise the
-    ledger records (zero gradients; a 10% error fails), in the variables' dtype;
-    PrivateGradients, which draws it in graph, refuses it."""
-    keras = pytest.importorskip("keras")
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-    agg = dpcore.PrivateAggregator(dpcore.flat([v.path for v in model.trainable_variables],
-                                               1.0, 3.0), n=10, q=0.5, backend="tensorflow",
-                                   secure=True)
-    with pytest.raises(ValueError, match="secure=True"):
-        PrivateGradients(model, keras.losses.MeanSquaredError(reduction=None), agg)
+    ledger records (zero gradients; a 10% error fails), in the variables' dtype."""
     agg = dpcore.PrivateAggregator(dpcore.flat(["w"], 1.0, 3.0), n=100, q=0.5,
                                    backend="tensorflow", secure=True)
     agg.sample()
@@ -375,3 +366,80 @@ def test_a_secure_aggregator_is_served_by_private_gradient_and_refused_by_the_gr
         tf.ones((7, 50_000), dtype=dtype), agg)
     std = float(tf.math.reduce_std(tf.cast(grads["w"], tf.float64))) * agg.expected_size
     assert grads["w"].dtype == w.dtype and abs(std / 3.0 - 1) < 0.03
+
+
+class RecordedNormals:
+    """The secure generator's draws, kept as they are handed out."""
+
+    def __init__(self, aggregator):
+        self.draws, draw = [], aggregator.rng.standard_normal
+        aggregator.rng.standard_normal = lambda size: self.draws.append(draw(size)) or \
+            self.draws[-1]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_the_fused_step_adds_the_secure_generators_normals(jit):
+    """PrivateGradients with a secure aggregator: the release is the clipped mean (the same
+    step without noise) plus alpha_j sigma~ / (q n) times the host's normals, split into the
+    leaves in the clipper's order; fresh normals every step."""
+    x, y = data(seed=7)
+    clean_model = cnn(7)  # the same weights
+    clean = PrivateGradients(clean_model, CE, aggregator(clean_model, 0.1, 0.0),
+                             jit_compile=jit)(x, y)
+    model = cnn(7)
+    agg = aggregator(model, 0.1, 2.0, seed=None, secure=True)
+    dp = PrivateGradients(model, CE, agg, jit_compile=jit)
+    recorded = RecordedNormals(agg)
+    first, second = dp(x, y), dp(x, y)
+    assert len(recorded.draws) == 2 and agg.ledger.steps() == [dpcore.Step(0.12, 2.0, 2)]
+    by_path = {v.path: v for v in model.trainable_variables}
+    for grads, normals in zip((first, second), recorded.draws):
+        parts = np.split(normals, np.cumsum([math.prod(by_path[leaf].shape)
+                                             for leaf in dp.clipper.leaves])[:-1])
+        noise = {leaf: z.reshape(by_path[leaf].shape) for leaf, z in zip(dp.clipper.leaves,
+                                                                          parts)}
+        scale = 0.1 * 2.0 / agg.expected_size
+        for name, g, c in zip(dp.engine.names, grads, clean):
+            np.testing.assert_allclose(g.numpy(), c.numpy() + scale * noise[name], rtol=1e-5,
+                                       atol=1e-6)
+
+
+def test_keras_fit_with_a_secure_aggregator_adds_the_noise_the_ledger_records():
+    """make_private(secure=True): each step's update is -lr times noise of the standard
+    deviation the ledger records (zero gradients; a 10% error fails), fresh at every step;
+    a seed is refused (it would make the secure generator predictable)."""
+    with pytest.raises(ValueError, match="no seed"):
+        make_private(cnn(), n=100, batch_size=10, seed=0, secure=True)
+    keras.utils.set_random_seed(8)
+    model = keras.Sequential([keras.Input((200,)), L.Dense(100)])
+    private = make_private(model, n=100, batch_size=10, max_grad_norm=1e-8,
+                           noise_multiplier=1e7, secure=True)
+    private.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")
+    updates, kernel = [], model.layers[0].kernel
+    for _ in range(2):
+        before = kernel.numpy()
+        private.fit(np.zeros((100, 200), "float32"), np.zeros((100, 100), "float32"),
+                    steps_per_epoch=1, verbose=0)
+        updates.append(before - kernel.numpy())
+    expected = private.aggregator.ledger.events[-1].noise_std / private.aggregator.expected_size
+    d = kernel.numpy().size
+    for update in updates:  # 5 standard errors of a sample std of d normals: 2.5%
+        assert abs(update.std() / expected - 1) < 5 / math.sqrt(2 * d)
+    assert np.corrcoef(updates[0].ravel(), updates[1].ravel())[0, 1] < 5 / math.sqrt(d)
+    assert private.aggregator.ledger.steps() == [dpcore.Step(0.1, 1e7, 2)]
+
+
+def test_normals_go_to_the_step_of_a_secure_aggregator_only():
+    model = cnn()
+    x, y = data()
+    secure = PrivateGradients(model, CE, aggregator(model, 1.0, 1.0, seed=None, secure=True))
+    plain = PrivateGradients(model, CE, aggregator(model, 1.0, 1.0))
+    mask = np.ones(len(x), bool)
+    with pytest.raises(ValueError, match="normals=dp.host_normals"):
+        secure.graph_step(x, y, mask, [1.0], [1.0] * 6)
+    with pytest.raises(ValueError, match="draws its noise in graph"):
+        plain.graph_step(x, y, mask, [1.0], [1.0] * 6, secure.host_normals())
+    with pytest.raises(ValueError, match="serves a secure=True aggregator"):
+        plain.host_normals()
+    assert secure.host_normals().shape == [sum(math.prod(v.shape)
+                                               for v in model.trainable_variables)]
