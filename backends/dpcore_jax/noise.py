@@ -139,11 +139,17 @@ class NoiseSource:
         host (:mod:`dpcore.secure`), whatever their number."""
         plan = self.plan(params)
         if isinstance(key, SecureGenerator):
-            return key, [jnp.asarray(key.standard_normal(math.prod(shape)).reshape(shape),
-                                     dtype) for shape, dtype in plan]
+            return key, [jnp.asarray(z) for z in secure_normals(key, plan)]
         if sum(math.prod(shape) for shape, _ in plan) < SEPARATE_DRAW:
             return None, key
         return _draw_all(key, plan)
+
+
+def secure_normals(generator: SecureGenerator, plan) -> list[np.ndarray]:
+    """The normals of a :meth:`NoiseSource.plan` from the system's CSPRNG, on the host:
+    float64 draws (:mod:`dpcore.secure`) rounded to each draw's dtype."""
+    return [generator.standard_normal(math.prod(shape)).reshape(shape).astype(dtype)
+            for shape, dtype in plan]
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -8,9 +8,11 @@ count of records with a non-finite norm makes the release fail under
     (sums_j + N(0, (alpha_j sigma~_g)^2 I)) / (q n),
 
 drawing the noise from a key carried in its state (split off the aggregator's key at
-``init``, which must run outside ``jit``). The step's sum-query events are written from inside
-the compiled program by an ordered ``io_callback`` whose (zero) result is added to the
-output, so the released average cannot exist before its events are in the ledger.
+``init``, which must run outside ``jit``), or, for a ``secure`` aggregator, from the system's
+CSPRNG on the host by an ordered ``io_callback`` at every run of the compiled program (the
+state's key is then None). The step's sum-query events are written from inside the compiled
+program by another ordered ``io_callback`` whose (zero) result is added to the output, so the
+released average cannot exist before its events are in the ledger.
 
 With gradient accumulation a logical batch (one Poisson sample, one sampling event) is
 processed in k parts: :func:`private_optimizer` *adds* the k parts' clipped sums and, under a
@@ -40,14 +42,15 @@ from dpcore.aggregation import NonFiniteNormError
 from .backend import refuse_tracers
 from .clipping import ClippedSums, noisy_mean
 from .grad import check_aggregator
+from .noise import NoiseSource, secure_normals
 
 
 class PrivateAggregateState(NamedTuple):
-    key: jax.Array
+    key: jax.Array | None  # None: a secure aggregator's noise comes from the host
 
 
 class PrivateOptimizerState(NamedTuple):
-    key: jax.Array
+    key: jax.Array | None
     sums: object          # clipped sums of the parts held (of one sample)
     count: jax.Array      # parts held
     nonfinite: jax.Array  # records with a non-finite norm in them
@@ -114,13 +117,20 @@ def _release_fn(aggregator, ledger: _Ledger):
     from the compiled program before the mean can exist; under ``on_nonfinite="raise"`` a
     release with ``nonfinite`` > 0 fails instead."""
     check_aggregator(aggregator)
-    aggregator.require_backend_generator("the private optax transformations "
-                                         "(private_optimizer, private_aggregate)")
     mechanism = aggregator.mechanism
     expected_size = aggregator.expected_size
+    source = NoiseSource(mechanism)
+
+    def host_normals(sums):
+        """The step's normals from the secure generator, drawn when the program runs."""
+        plan = source.plan(sums)
+        shapes = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in plan]
+        return list(io_callback(lambda: secure_normals(aggregator.rng, plan), shapes,
+                                ordered=True))
 
     def release(sums, nonfinite, step, key):
-        key, mean = noisy_mean(sums, mechanism, key, expected_size)
+        key, mean = noisy_mean(sums, mechanism, host_normals(sums) if key is None else key,
+                               expected_size)
         written = io_callback(ledger.record, jax.ShapeDtypeStruct((), jnp.float32), nonfinite,
                               step, ordered=True)
         return key, jax.tree_util.tree_map(lambda x: x + written.astype(x.dtype), mean)
@@ -129,9 +139,12 @@ def _release_fn(aggregator, ledger: _Ledger):
 
 
 def _split_key(aggregator):
-    """A key for the optimizer state, split off the aggregator's on the host. A traced
-    ``init`` (inside ``jax.jit``) would split once, at tracing, and give every state its
-    program makes the same key: refused."""
+    """A key for the optimizer state, split off the aggregator's on the host (None for a
+    secure aggregator, whose noise is drawn on the host at every step). A traced ``init``
+    (inside ``jax.jit``) would split once, at tracing, and give every state its program makes
+    the same key: refused."""
+    if aggregator.secure:
+        return None
     rng, key = jax.random.split(aggregator.rng)
     refuse_tracers("the private optimizer's init", rng,
                    advice="Call init outside jit; its state can then enter jitted steps")

@@ -207,11 +207,25 @@ def test_raise_policy_releases_nothing_and_drop_policy_continues():
             assert isinstance(agg.ledger.events[-1], SumQueryEvent)
 
 
-def test_optax_transformation_adds_noise_once_per_logical_batch():
+class RecordedNormals:
+    """A secure generator's draws, kept as they are handed out."""
+
+    def __init__(self, aggregator):
+        self.draws, draw = [], aggregator.rng.standard_normal
+        aggregator.rng.standard_normal = lambda size: self.draws.append(draw(size)) or \
+            self.draws[-1]
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_optax_transformation_adds_noise_once_per_logical_batch(secure):
+    """Also with a secure aggregator, whose normals the compiled update fetches from the host
+    at each release: the update is then exactly the sums plus 3 times those normals."""
     rng = np.random.default_rng(5)
     loss_fn, params = wide_model(rng)
     mechanism = dpcore.flat(["b", "w"], 1.0, 3.0)
-    agg = aggregator(mechanism, n=400, q=0.1, seed=6)
+    agg = (aggregator(mechanism, n=400, q=0.1, secure=True) if secure else
+           aggregator(mechanism, n=400, q=0.1, seed=6))
+    recorded = RecordedNormals(agg) if secure else None
     x = rng.normal(size=(400, 200)).astype(np.float32)
     y = rng.integers(0, 100, size=400)
     k = 4
@@ -239,6 +253,10 @@ def test_optax_transformation_adds_noise_once_per_logical_batch():
     draws = np.concatenate(noise)
     # one draw of std 3 per logical batch; k draws would give std 3 sqrt(k) = 6 (N = 60,000)
     assert np.std(draws) == pytest.approx(3.0, rel=0.03)
+    if secure:
+        # one draw a release, over the leaves in the sums' order: b (100 values), then w
+        normals = np.concatenate([z[100:] for z in recorded.draws])
+        np.testing.assert_allclose(draws, 3 * normals, atol=2e-3)
     kinds = [type(e) for e in agg.ledger.events]
     assert kinds == [SamplingEvent, SumQueryEvent] * 3
 
@@ -474,25 +492,35 @@ def test_the_main_job_runs_with_the_jax_backend(tmp_path, capsys, load_example):
 
 def test_a_secure_aggregator_gets_host_noise_in_the_compiled_steps():
     """secure=True draws the noise on the host from the system's CSPRNG: private_grad and
-    backend.private_gradient add the noise the ledger records (zero gradients; a 10% error
-    fails); the optax transformations, which draw in the program, refuse it."""
-    from dpcore_jax import private_grad, private_optimizer
-
+    backend.private_gradient, and the optax route in the user's jit (the program fetches
+    them at every run), add the noise the ledger records (zero gradients; a 10% error
+    fails)."""
     agg = dpcore.PrivateAggregator(dpcore.flat(["w"], 1.0, 3.0), n=100, q=0.5, backend="jax",
                                    secure=True)
-    with pytest.raises(ValueError, match="secure=True"):
-        private_optimizer(optax.sgd(0.1), agg)
     loss = lambda p, b: jnp.sum(p["w"] * 0 * b, axis=1)  # noqa: E731
     params, batch = {"w": jnp.zeros(50_000)}, jnp.ones((7, 50_000))
     grad_fn = private_grad(loss, agg)
+    opt = private_optimizer(optax.sgd(1.0), agg)
+    sums_fn = clipped_sums(loss, agg.mechanism)
+
+    @jax.jit
+    def update(state):
+        return opt.update(sums_fn(params, batch, jnp.ones(7, bool)), state, params)
+
+    def optax_step():
+        agg.sample()
+        return {"w": -update(state)[0]["w"]}
+
+    state = opt.init(params)
     for grads in (dpcore.get_backend("jax").private_gradient(loss, params, batch,
                                                              _begun(agg)),
-                  grad_fn(params, batch), grad_fn(params, batch)):
+                  grad_fn(params, batch), grad_fn(params, batch), optax_step(), optax_step()):
         std = float(jnp.std(grads["w"])) * agg.expected_size
         assert grads["w"].dtype == jnp.float32 and abs(std / 3.0 - 1) < 0.03
-    first, second = grad_fn(params, batch), grad_fn(params, batch)
-    assert not jnp.array_equal(first["w"], second["w"])  # fresh noise every step
-    assert sum(isinstance(e, SumQueryEvent) for e in agg.ledger.events) == 5
+    for step in (lambda: grad_fn(params, batch), optax_step):
+        first, second = step(), step()
+        assert not jnp.array_equal(first["w"], second["w"])  # fresh noise every step
+    assert sum(isinstance(e, SumQueryEvent) for e in agg.ledger.events) == 9
 
 
 
