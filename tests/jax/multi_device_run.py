@@ -133,7 +133,30 @@ def optax_route() -> dict:
             "optax_events": len(runs["two"][1])}
 
 
+def secure_optax() -> dict:
+    """A secure aggregator's optax route, its sums spread over both devices: the update is
+    the host's normals times -lr sigma~ / (q n) (zero gradients)."""
+    agg = aggregator(secure=True, seed=None)
+    draws, draw = [], agg.rng.standard_normal
+    agg.rng.standard_normal = lambda size: draws.append(draw(size)) or draws[-1]
+    opt = private_optimizer(optax.sgd(0.5), agg)
+    sums_fn = clipped_sums(zero_loss, agg.mechanism)
+    params = jax.device_put(PARAMS, NamedSharding(SHARDED.mesh, PartitionSpec()))
+    state = opt.init(params)
+    update = jax.jit(lambda params, state, batch, mask: opt.update(
+        sums_fn(params, batch, mask), state, params)[0])
+    moves = []
+    for batch, mask in PoissonBatches(DATA, agg, steps=2, buckets=BUCKETS, sharding=SHARDED):
+        moves.append(np.concatenate([np.ravel(leaf) for leaf in  # b1, w1, w2: the draw's order
+                                     jax.tree_util.tree_leaves(update(params, state, batch,
+                                                                      mask))]))
+    expected = [-0.5 * 0.55 * z / agg.expected_size for z in draws]
+    return {"secure_optax_draws": len(draws),
+            "secure_optax_difference": max(float(np.abs(m - e).max())
+                                           for m, e in zip(moves, expected))}
+
+
 if __name__ == "__main__":
     assert len(jax.devices()) == 2
     print(json.dumps({**grads_and_noise(), **batches(), **training(), **explicit_mesh(),
-                      **optax_route()}))
+                      **optax_route(), **secure_optax()}))

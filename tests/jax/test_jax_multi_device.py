@@ -60,6 +60,13 @@ def test_secure_noise_over_two_devices_is_drawn_once(results):
     assert abs(noise.mean()) < 4 * 0.55 / math.sqrt(noise.size)
 
 
+def test_the_secure_optax_route_over_two_devices_adds_the_hosts_normals(results):
+    """Zero gradients, one release a step: the update is -lr S z / (q n) times the normals
+    the compiled program fetched from the host at that step."""
+    assert results["secure_optax_draws"] == 2
+    assert results["secure_optax_difference"] < 1e-7
+
+
 def test_a_mesh_with_explicit_axes_is_refused(results):
     assert "has explicit axes ('data',)" in results["explicit_mesh"]
     assert "AxisType.Auto" in results["explicit_mesh"]
