@@ -27,7 +27,7 @@ from dpcore.aggregation import NonFiniteNormError
 
 from .bookkeeping import leaf_names
 from .data import poisson_dataset
-from .step import PrivateGradients
+from .step import PrivateGradients, refuse_replicas
 
 CLIPPINGS = ("flat", "per_layer")
 
@@ -114,6 +114,7 @@ class PrivateModel(keras.Model):
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
+        refuse_replicas(self.distribute_strategy.num_replicas_in_sync)  # before any step
         dp = self._build_dp()
         state = self._dp_state
         super().make_train_function(force=True)
@@ -145,6 +146,7 @@ class PrivateModel(keras.Model):
         """Keras ``fit`` on Poisson batches. Arrays are sampled at the aggregator's rate q,
         ``steps_per_epoch`` (default round(1/q)) samples per epoch; batch sizes, shuffling and
         sample or class weights do not apply (the batch is the Poisson sample)."""
+        refuse_replicas(self.distribute_strategy.num_replicas_in_sync)
         for name, value in (("batch_size", batch_size), ("sample_weight", sample_weight),
                             ("class_weight", class_weight), ("shuffle", shuffle)):
             if value is not None:

@@ -162,6 +162,7 @@ class PrivateGradients:
                 "a secure=True aggregator's step takes normals=dp.host_normals() (drawn on the "
                 "host, afresh each step)" if self.aggregator.secure else
                 "normals are a secure=True aggregator's; this one draws its noise in graph")
+        refuse_replicas(tf.distribute.get_strategy().num_replicas_in_sync)
         mask = tf.cast(mask, tf.bool)
         sums, bad, losses, outputs = self.engine.clipped_sums(x, y, self.loss_fn, self.clipper,
                                                               clips, mask)
@@ -180,6 +181,7 @@ class PrivateGradients:
                 "so it cannot run inside a tf.function (they would be written once, at "
                 "tracing, for every step the function runs). Call it eagerly (its step is "
                 "compiled), or call record_step() eagerly and graph_step() in your function")
+        refuse_replicas(tf.distribute.get_strategy().num_replicas_in_sync)  # before the ledger
         if mask is None:
             mask = tf.ones([tf.shape(tf.nest.flatten(x)[0])[0]], tf.bool)
         self.check(x, y, mask)
@@ -190,6 +192,19 @@ class PrivateGradients:
         grads, _, _, bad = self._function(x, y, mask, *self._tensors[1], normals)
         raise_on_nonfinite(self.aggregator, bad)
         return grads
+
+
+def refuse_replicas(replicas: int) -> None:
+    """Refuse a ``tf.distribute`` strategy of several replicas: each would clip and noise its
+    part of the batch as a step of its own, and the sum of their releases is not the step the
+    ledger records (noise added once per replica)."""
+    if replicas > 1:
+        raise ValueError(
+            f"the model runs under a tf.distribute strategy of {replicas} replicas: each "
+            f"would add its own noise to its part of the batch, and their sum is not the step "
+            f"the ledger records. dpcore's TensorFlow steps run on one device: build and fit "
+            f"the model outside the strategy's scope. Across devices, the PyTorch "
+            f"(make_private(distributed=True)) and JAX (sharding=) backends train privately")
 
 
 def raise_on_nonfinite(aggregator, bad: tf.Tensor) -> None:
