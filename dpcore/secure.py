@@ -5,7 +5,10 @@ Mersenne Twister, JAX's Threefry, TensorFlow's Philox) are statistically sound b
 cryptographically secure: who learns their state can predict the noise, and with it take the
 noise off a released gradient. ``PrivateAggregator(..., secure=True)`` draws both from
 :func:`os.urandom` instead (``getrandom``: ChaCha20 on Linux), as Opacus's ``secure_mode``
-draws from a CSPRNG:
+draws from a CSPRNG; with the ``secure`` extra (`cryptography`), a draw of 4,096 words or
+more is the AES-256-CTR keystream under a key and counter block taken from ``os.urandom`` for
+that draw alone (a standard construction, as Opacus's AES-128-CTR generator; computationally
+indistinguishable from ``os.urandom``'s words):
 
 * Poisson sampling: the gaps between the records drawn are geometric, G = floor(ln V /
   ln(1 - q)) with V uniform on the 2^53 points k 2^-53 of (0, 1], so that P(G >= g) =
@@ -19,8 +22,8 @@ draws from a CSPRNG:
 Such a generator cannot be seeded (a seed would make it predictable again). What it does not
 address: a Gaussian sampled in floating point is not exactly Gaussian, and its rounding can
 leak a little (Mironov 2012 for the Laplace mechanism; Jin et al. 2022 for Gaussian
-samplers); an exact discrete Gaussian on a grid would. It costs about 8 bytes of the
-system's generator and one ``ndtri`` per value (measured in docs/aggregation.md). The
+samplers); an exact discrete Gaussian on a grid would. It costs 8 bytes of keystream and
+one ``ndtri`` per value, on two threads for large draws (``benchmarks/secure_noise.py``). The
 aggregator refuses to release values of a compiler's trace (``jax.jit``), secure or not: the
 noise drawn at tracing would be baked into the program and reused at every call.
 """
@@ -28,6 +31,7 @@ noise drawn at tracing would be baked into the program and reused at every call.
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 from array_api_compat import device, to_device
@@ -35,12 +39,39 @@ from scipy.special import ndtri
 
 from .sampling import PoissonSampler
 
+try:  # the `secure` extra: AES in hardware, for large draws
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+except ImportError:
+    Cipher = None
+
 _SCALE = 2.0 ** -53
+STREAM_WORDS = 1 << 12  # from this many words on, an AES-256-CTR keystream (with `cryptography`)
+PARALLEL_NORMALS = 1 << 17  # from this many normals on, Phi^-1 on two threads (if two cores)
 
 
 def _words(size: int) -> np.ndarray:
-    """``size`` uniform 64-bit words from the system's CSPRNG."""
-    return np.frombuffer(os.urandom(8 * size), dtype=np.uint64)
+    """``size`` uniform 64-bit words: the system's CSPRNG's, or, from :data:`STREAM_WORDS` on
+    with `cryptography` installed, the AES-256-CTR keystream under a key and initial counter
+    block drawn from it for this call alone (4-6x faster than ``os.urandom`` here; nothing is
+    kept between calls)."""
+    if Cipher is None or size < STREAM_WORDS:
+        return np.frombuffer(os.urandom(8 * size), dtype=np.uint64)
+    stream = Cipher(algorithms.AES(os.urandom(32)), modes.CTR(os.urandom(16))).encryptor()
+    out = np.empty(8 * size + 15, np.uint8)  # update_into's room for a block
+    stream.update_into(np.zeros(8 * size, np.uint8), out)  # the keystream itself
+    return out[:8 * size].view(np.uint64)
+
+
+def _ndtri(u: np.ndarray) -> np.ndarray:
+    """Phi^-1(u), halves on two threads for large arrays (the ufunc releases the GIL)."""
+    if len(u) < PARALLEL_NORMALS or len(os.sched_getaffinity(0)) < 2:
+        return ndtri(u)
+    out, half = np.empty_like(u), len(u) // 2
+    other = threading.Thread(target=ndtri, args=(u[:half],), kwargs={"out": out[:half]})
+    other.start()
+    ndtri(u[half:], out=out[half:])
+    other.join()
+    return out
 
 
 def _uniform(size: int) -> np.ndarray:
@@ -59,9 +90,13 @@ class SecureGenerator:
         """``size`` float64 N(0, 1) values: s Phi^-1((2k + 1) 2^-54), the sign s from a word's
         top bit and k from its next 52 (every midpoint of the lower half, exactly)."""
         words = _words(size)
-        half = ((words >> np.uint64(11)) & np.uint64((1 << 52) - 1)).astype(np.float64)
-        z = ndtri((2 * half + 1) * (_SCALE / 2))  # < 0
-        return np.where(words >> np.uint64(63), -z, z)
+        u = ((words >> np.uint64(11)) & np.uint64((1 << 52) - 1)).astype(np.float64)
+        u *= 2.0  # in place: u = (2k + 1) 2^-54, exactly
+        u += 1.0
+        u *= _SCALE / 2
+        z = _ndtri(u)  # < 0: the sign bit set
+        z.view(np.uint64)[...] ^= words & np.uint64(1 << 63)  # cleared by a top bit: -z
+        return z
 
     def __repr__(self) -> str:
         return "SecureGenerator(os.urandom)"

@@ -24,6 +24,32 @@ def test_normals_are_standard_normal():
     assert abs(x.std() - 1) < 5.5 / math.sqrt(2 * len(x))  # a 10% error is 60 such sigmas
 
 
+@pytest.fixture(params=["keystream", "os.urandom"])
+def source(request, monkeypatch):
+    """Large draws from AES-256-CTR (the `secure` extra) and, without it, from os.urandom."""
+    if request.param == "keystream":
+        assert secure.Cipher is not None, "the test extra installs cryptography"
+    else:
+        monkeypatch.setattr(secure, "Cipher", None)
+    return request.param
+
+
+def test_large_draws_are_uniform_words_and_standard_normals(source):
+    """Above the keystream's and the threads' thresholds: the words' bytes are uniform
+    (chi-square), two draws differ, and each thread's half of the normals is standard."""
+    words = secure._words(8 * secure.STREAM_WORDS)
+    assert words.dtype == np.uint64 and len(words) == 8 * secure.STREAM_WORDS
+    counts = np.bincount(words.view(np.uint8), minlength=256)
+    assert stats.chisquare(counts).pvalue > 1e-6
+    assert not np.array_equal(words, secure._words(len(words)))
+    size = 2 * secure.PARALLEL_NORMALS + 1
+    x = SecureGenerator().standard_normal(size)
+    assert x.shape == (size,) and np.isfinite(x).all()
+    for half in (x[:size // 2], x[size // 2:]):
+        assert stats.kstest(half, "norm").pvalue > 1e-6
+        assert abs(half.std() - 1) < 5.5 / math.sqrt(2 * len(half))
+
+
 def test_uniforms_lie_on_the_53_bit_grid():
     u = SecureGenerator().uniform(100_000)
     assert (u >= 0).all() and (u < 1).all()
