@@ -55,12 +55,13 @@ def test_per_example_gradients_are_float32_and_match_one_example_at_a_time(mixed
             assert err <= BF16_TOL * max(np.abs(want).max(), 1e-6), (v.path, i)
 
 
-def test_a_private_fit_runs_under_the_policy(mixed_bfloat16):
+@pytest.mark.parametrize("secure", [False, True])
+def test_a_private_fit_runs_under_the_policy(mixed_bfloat16, secure):
     net = model()
     before = [v.numpy().copy() for v in net.trainable_variables]
     x, y = data(32)
     private = make_private(net, n=len(x), batch_size=8, max_grad_norm=1.0,
-                           noise_multiplier=1.0)
+                           noise_multiplier=1.0, secure=secure)
     private.compile(optimizer=keras.optimizers.SGD(0.1),
                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     private.fit(x, y, epochs=1, verbose=0)
