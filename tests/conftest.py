@@ -1,8 +1,12 @@
-"""Shared fixtures: the Array API namespaces the core kernels are tested on."""
+"""Shared fixtures: the Array API namespaces the core kernels are tested on, the examples,
+scripts run in a process of their own, and a secure generator's draws."""
 
 import importlib
 import importlib.util
+import json
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -42,3 +46,34 @@ def load_example():
         return module
 
     return load
+
+
+@pytest.fixture(scope="session")
+def run_script():
+    """``run_script(path)``: run a test script in a Python process of its own (for a device
+    setup that must come before the framework starts) and return the JSON object its last
+    line of output holds."""
+    def run(script: pathlib.Path, timeout: float = 900) -> dict:
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              timeout=timeout)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    return run
+
+
+@pytest.fixture
+def record_normals():
+    """``record_normals(aggregator)``: the list a secure aggregator's generator appends each
+    draw of normals to as it hands it out."""
+    def record(aggregator) -> list:
+        draws, draw = [], aggregator.rng.standard_normal
+
+        def recorded(size):
+            draws.append(draw(size))
+            return draws[-1]
+
+        aggregator.rng.standard_normal = recorded
+        return draws
+
+    return record

@@ -2,10 +2,7 @@
 process of its own: multi_device_run.py) give what one device gives: the same gradients,
 training and ledger, batches cut evenly, the noise drawn once."""
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,12 +13,8 @@ pytest.importorskip("optax")
 
 
 @pytest.fixture(scope="module")
-def results():
-    script = Path(__file__).with_name("multi_device_run.py")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def results(run_script):
+    return run_script(Path(__file__).with_name("multi_device_run.py"))
 
 
 def test_private_gradients_over_two_devices_are_those_of_one(results):

@@ -207,17 +207,8 @@ def test_raise_policy_releases_nothing_and_drop_policy_continues():
             assert isinstance(agg.ledger.events[-1], SumQueryEvent)
 
 
-class RecordedNormals:
-    """A secure generator's draws, kept as they are handed out."""
-
-    def __init__(self, aggregator):
-        self.draws, draw = [], aggregator.rng.standard_normal
-        aggregator.rng.standard_normal = lambda size: self.draws.append(draw(size)) or \
-            self.draws[-1]
-
-
 @pytest.mark.parametrize("secure", [False, True])
-def test_optax_transformation_adds_noise_once_per_logical_batch(secure):
+def test_optax_transformation_adds_noise_once_per_logical_batch(secure, record_normals):
     """Also with a secure aggregator, whose normals the compiled update fetches from the host
     at each release: the update is then exactly the sums plus 3 times those normals."""
     rng = np.random.default_rng(5)
@@ -225,7 +216,7 @@ def test_optax_transformation_adds_noise_once_per_logical_batch(secure):
     mechanism = dpcore.flat(["b", "w"], 1.0, 3.0)
     agg = (aggregator(mechanism, n=400, q=0.1, secure=True) if secure else
            aggregator(mechanism, n=400, q=0.1, seed=6))
-    recorded = RecordedNormals(agg) if secure else None
+    drawn = record_normals(agg) if secure else None
     x = rng.normal(size=(400, 200)).astype(np.float32)
     y = rng.integers(0, 100, size=400)
     k = 4
@@ -255,7 +246,7 @@ def test_optax_transformation_adds_noise_once_per_logical_batch(secure):
     assert np.std(draws) == pytest.approx(3.0, rel=0.03)
     if secure:
         # one draw a release, over the leaves in the sums' order: b (100 values), then w
-        normals = np.concatenate([z[100:] for z in recorded.draws])
+        normals = np.concatenate([z[100:] for z in drawn])
         np.testing.assert_allclose(draws, 3 * normals, atol=2e-3)
     kinds = [type(e) for e in agg.ledger.events]
     assert kinds == [SamplingEvent, SumQueryEvent] * 3

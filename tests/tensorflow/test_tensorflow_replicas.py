@@ -2,21 +2,14 @@
 (replicas_run.py, in a process of its own with the CPU split into two logical devices): each
 replica would add its own noise to its part of the batch."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 
 @pytest.fixture(scope="module")
-def results():
-    script = Path(__file__).with_name("replicas_run.py")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def results(run_script):
+    return run_script(Path(__file__).with_name("replicas_run.py"), timeout=600)
 
 
 def test_fit_and_the_tape_style_call_refuse_replicas_before_the_ledger(results):

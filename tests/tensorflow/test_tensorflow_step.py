@@ -368,17 +368,8 @@ def test_a_secure_aggregator_is_served_by_private_gradient(dtype):
     assert grads["w"].dtype == w.dtype and abs(std / 3.0 - 1) < 0.03
 
 
-class RecordedNormals:
-    """The secure generator's draws, kept as they are handed out."""
-
-    def __init__(self, aggregator):
-        self.draws, draw = [], aggregator.rng.standard_normal
-        aggregator.rng.standard_normal = lambda size: self.draws.append(draw(size)) or \
-            self.draws[-1]
-
-
 @pytest.mark.parametrize("jit", [False, True])
-def test_the_fused_step_adds_the_secure_generators_normals(jit):
+def test_the_fused_step_adds_the_secure_generators_normals(jit, record_normals):
     """PrivateGradients with a secure aggregator: the release is the clipped mean (the same
     step without noise) plus alpha_j sigma~ / (q n) times the host's normals, split into the
     leaves in the clipper's order; fresh normals every step."""
@@ -389,11 +380,11 @@ def test_the_fused_step_adds_the_secure_generators_normals(jit):
     model = cnn(7)
     agg = aggregator(model, 0.1, 2.0, seed=None, secure=True)
     dp = PrivateGradients(model, CE, agg, jit_compile=jit)
-    recorded = RecordedNormals(agg)
+    drawn = record_normals(agg)
     first, second = dp(x, y), dp(x, y)
-    assert len(recorded.draws) == 2 and agg.ledger.steps() == [dpcore.Step(0.12, 2.0, 2)]
+    assert len(drawn) == 2 and agg.ledger.steps() == [dpcore.Step(0.12, 2.0, 2)]
     by_path = {v.path: v for v in model.trainable_variables}
-    for grads, normals in zip((first, second), recorded.draws):
+    for grads, normals in zip((first, second), drawn):
         parts = np.split(normals, np.cumsum([math.prod(by_path[leaf].shape)
                                              for leaf in dp.clipper.leaves])[:-1])
         noise = {leaf: z.reshape(by_path[leaf].shape) for leaf, z in zip(dp.clipper.leaves,
