@@ -265,10 +265,17 @@ class PrivateAggregator:
         self._refuse_traced(like)
         return NoiseDraws(self, self._step, self._mechanism, like, noise=noise)
 
-    def release_noisy_sums(self, draws: NoiseDraws, *, factors=None, mask=None) -> dict:
+    def release_noisy_sums(self, draws: NoiseDraws, *, factors=None, mask=None,
+                           observe: bool = True) -> dict:
         """Ledger, division: the private average from this step's :meth:`noise_draws` with the
         clipped sums added into them. Only draws made by this aggregator for the current step
-        are accepted, each once, so no gradient leaves without its noise."""
+        are accepted, each once, so no gradient leaves without its noise.
+
+        Adaptive clipping's counts are noised as the draws are (not at all with
+        ``noise=False``). ``observe=False`` leaves the clips where they are and returns the
+        noisy averages of the counts beside the leaves (keys :attr:`count_groups`' names):
+        for processes that add their releases up and then move the clips alike from the sum
+        (:meth:`observe_counts`)."""
         if not isinstance(draws, NoiseDraws) or draws.aggregator is not self:
             raise TypeError(f"expected the NoiseDraws of this aggregator's noise_draws(), got "
                             f"{type(draws).__name__}")
@@ -281,12 +288,23 @@ class PrivateAggregator:
         counts = self._count_sums(factors, mask)
         self.record_release()
         released = draws.finish(self.expected_size)
-        if counts:
-            self.rng, noisy_counts = aggregation.noisy_average(
+        if not counts:
+            return released
+        if draws.noise:
+            self.rng, counts = aggregation.noisy_average(
                 counts, self._released, self.rng, self.standard_normal,
                 self.expected_size, xp=self.backend.namespace())
-            self._policy.observe(noisy_counts)
+        else:
+            counts = {name: count / self.expected_size for name, count in counts.items()}
+        if not observe:
+            return {**released, **counts}
+        self.observe_counts(counts)
         return released
+
+    def observe_counts(self, released: Mapping[str, object]) -> None:
+        """Move adaptive clipping's clips from the noisy averages of a step's counts (a
+        release with ``observe=False``, added up over the processes that share the step)."""
+        self._policy.observe(released)
 
     def release(self, per_record: Mapping[str, object], *, mask=None) -> dict:
         """The private average of ``per_record`` (leaf -> (B, *shape)), rows = the sample's

@@ -128,3 +128,42 @@ def test_release_sums_needs_factors_under_adaptive_clipping():
     agg.begin_step()
     with pytest.raises(ValueError, match="needs the step's clip factors"):
         agg.release_sums({"x": np.zeros(1)})
+
+
+def test_processes_add_up_their_counts_and_move_the_clips_from_the_sum():
+    """Two processes' shares of one sample released with observe=False (the noise, counts'
+    included, drawn by one) and added up give the one-process release, and moving the clips
+    from the sum (observe_counts) gives the one-process clip."""
+    config = QuantileClipping(count_noise_std=2.0)
+
+    def aggregator():
+        return PrivateAggregator(flat(["x"], clip=0.1, noise_multiplier=1.0), n=100, q=0.5,
+                                 clipping=config, seed=3)
+
+    norms = np.array([0.05, 0.2, 0.08, 0.4, 0.01])
+    whole = aggregator()
+    whole.begin_step()
+    factors = whole.clip_factors(norms[:, None] ** 2)
+    draws = whole.noise_draws({"x": np.zeros(1)})
+    draws["x"] += (norms * factors[:, 0]).sum(keepdims=True)
+    expected = whole.release_noisy_sums(draws, factors=factors)
+    shares, total = (norms[:2], norms[2:]), {}
+    processes = (aggregator(), aggregator())
+    for rank, (agg, share) in enumerate(zip(processes, shares)):
+        agg.begin_step()
+        factors = agg.clip_factors(share[:, None] ** 2)
+        draws = agg.noise_draws({"x": np.zeros(1)}, noise=rank == 0)
+        draws["x"] += (share * factors[:, 0]).sum(keepdims=True)
+        out = agg.release_noisy_sums(draws, factors=factors, observe=False)
+        assert set(out) == {"x", agg.count_groups[0].name}
+        assert agg.mechanism.groups[0].clip == 0.1  # not moved yet
+        for name, value in out.items():
+            total[name] = total.get(name, 0) + value
+    np.testing.assert_allclose(total["x"], expected["x"], rtol=1e-12)
+    whole.begin_step()
+    assert whole.mechanism.groups[0].clip != 0.1
+    for agg in processes:
+        agg.observe_counts(total)
+        agg.begin_step()
+        assert agg.mechanism.groups[0].clip == pytest.approx(whole.mechanism.groups[0].clip,
+                                                             rel=1e-12)

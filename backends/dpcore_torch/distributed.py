@@ -22,7 +22,9 @@ run: process 0 reopened its ledger file) to the others. At each step:
 4. **release**: each divides by q n and the results are summed over the processes
    (``all_reduce``, with a flag that makes all raise if a release failed in one, e.g. its
    ledger write): sum_r (S_r + [r = 0] N) / (q n), the private average of the union with
-   one noise draw. Every process applies it, so the models stay equal.
+   one noise draw. Every process applies it, so the models stay equal. Adaptive clipping's
+   counts of unclipped records go into the same sum, and every process moves its clips
+   from the sum, so they stay equal too.
 
 The per-process sums S_r are not private on their own: the processes, which all hold the
 whole dataset, exchange them in the ``all_reduce``, and only the sum leaves it. Every
@@ -140,13 +142,15 @@ class Workers:
     @torch.no_grad()
     def sum_(self, tensors: Mapping[str, torch.Tensor] | None, like: Mapping[str, torch.Tensor],
              error: BaseException | None = None) -> dict[str, torch.Tensor]:
-        """``tensors`` summed over the processes, in one ``all_reduce`` per (dtype, device).
-        A process whose release raised ``error`` passes ``tensors=None`` (zeros shaped
-        ``like``); its flag, added to the first sum, makes every process raise."""
+        """``tensors`` summed over the processes, in one ``all_reduce`` per (dtype, device),
+        their pieces in the order of ``like`` (the same in every process). A process whose
+        release raised ``error`` passes ``tensors=None`` (zeros shaped ``like``); its flag,
+        added to the first sum, makes every process raise."""
         if tensors is None:
             tensors = {name: torch.zeros_like(t) for name, t in like.items()}
         kinds: dict[tuple, list[str]] = {}
-        for name, t in tensors.items():
+        for name in like:
+            t = tensors[name]
             kinds.setdefault((t.dtype, t.device), []).append(name)
         out, failed = {}, 0.0
         for k, names in enumerate(kinds.values()):

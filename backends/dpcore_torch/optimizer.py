@@ -155,17 +155,28 @@ class PrivateOptimizer(torch.optim.Optimizer):
         factors = factors[0] if len(factors) == 1 else torch.cat(factors)
         if self.workers is None:
             grads = self.aggregator.release_noisy_sums(draws, factors=factors)
-        else:  # a release (its ledger write) failing in one process fails in all
-            error, grads = None, None
-            try:
-                grads = self.aggregator.release_noisy_sums(draws, factors=factors)
-            except BaseException as raised:
-                error = raised
-            grads = self.workers.sum_(grads, self.engine.params, error)
+        else:
+            grads = self._release_across(draws, factors)
         for name, p in self.engine.params.items():  # a parameter frozen since: not updated
             p.grad = grads[name] if p.requires_grad else None
         self.original_optimizer.step()
         return loss
+
+    def _release_across(self, draws, factors) -> dict:
+        """The release summed over the processes; a release (its ledger write) failing in one
+        fails in all. Adaptive clipping's noisy counts go into the same sum, and every
+        process moves its clips from the sum, so they stay alike."""
+        agg, error, released = self.aggregator, None, None
+        try:
+            released = agg.release_noisy_sums(draws, factors=factors, observe=False)
+        except BaseException as raised:
+            error = raised
+        like = {**self.engine.params, **{g.name: factors.new_zeros(1)
+                                         for g in agg.count_groups}}
+        released = self.workers.sum_(released, like, error)
+        if agg.count_groups:
+            agg.observe_counts(released)
+        return released
 
     def state_dict(self):
         return self.original_optimizer.state_dict()

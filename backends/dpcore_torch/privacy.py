@@ -94,7 +94,8 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     whose ``batch_size`` is per process (q = world * batch_size / n). The model is made
     process 0's; each step clips every process's share of one Poisson sample, process 0 adds
     the noise, and the sums are added over the processes; only process 0 writes a ledger
-    path. Adaptive clipping is not supported across processes.
+    path. Adaptive clipping counts the unclipped records of every process's share: the
+    counts are added up with the releases, their noise drawn by process 0 alone.
     """
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch DataLoader, got {data_loader!r}")
@@ -106,10 +107,6 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     if distributed:
         workers = Workers(next(module.parameters(), torch.empty(0)).device)
     if workers is not None:
-        if clip_policy == "adaptive" or isinstance(clip_policy, QuantileClipping):
-            raise ValueError("adaptive clipping counts the unclipped records of the whole "
-                             "sample, which no process sees with distributed=True: use a "
-                             "fixed clip or a dpcore.ClipSchedule")
         if workers.rank != 0 and not isinstance(ledger, Ledger):
             ledger = None  # process 0 writes the file; the others keep the same events
         workers.copy_model(module)

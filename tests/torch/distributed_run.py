@@ -63,6 +63,23 @@ def same_seed(out: Path, rank: int) -> dict:
             "in_memory": opt.ledger.path is None}
 
 
+def adaptive(rank: int) -> dict:
+    """Adaptive clipping with seed 5: the clips after each step and the trained weights."""
+    model = mlp()
+    model, opt, loader = make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), DataLoader(data(), batch_size=BATCH),
+        noise_multiplier=0.7, max_grad_norm=0.3, seed=5, distributed=True,
+        clip_policy="adaptive")
+    clips = []
+    for x, y, _ in loader:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        clips.append([g.clip for g in opt.aggregator.mechanism.groups])
+    return {"clips": clips, "events": list(opt.ledger.events),
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
 def noise(out: Path, rank: int, secure: bool) -> dict:
     """Zero gradients, unseeded: each step's release times q n is the noise alone."""
     torch.manual_seed(0)
@@ -204,6 +221,7 @@ def main(out: str) -> None:
     out = Path(out)
     rank = dist.get_rank()
     results = {"world": dist.get_world_size(), "same_seed": same_seed(out, rank),
+               "adaptive": adaptive(rank),
                "noise": noise(out, rank, secure=False),
                "secure_noise": noise(out, rank, secure=True),
                "nan_record": nan_record(out, rank), "other_clip": other_clip(out, rank),

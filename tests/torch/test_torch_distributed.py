@@ -5,6 +5,7 @@ raises in both."""
 
 import math
 import os
+from dataclasses import astuple
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,35 @@ def test_the_shards_make_the_one_process_sample_and_the_steps_its_release(ranks)
         for p, expected in zip(rank["same_seed"]["params"], model.parameters()):
             torch.testing.assert_close(p, expected.detach(), rtol=1e-5, atol=1e-6)
     assert results[0]["same_seed"]["events"] == list(opt.ledger.events)
+
+
+def test_adaptive_clipping_counts_every_processs_records_once(ranks):
+    """Adaptive clipping across the two processes moves the clip as the one-process run
+    with the same seed does (the counts of the union, one count noise draw, process 0's) and
+    trains the same model; every process's clip moves alike."""
+    _, results = ranks
+    model = run.mlp()
+    model, opt, loader = make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.5),
+        DataLoader(run.data(), batch_size=2 * run.BATCH), noise_multiplier=0.7,
+        max_grad_norm=0.3, seed=5, clip_policy="adaptive")
+    clips = []
+    for x, y, _ in loader:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        clips.append([g.clip for g in opt.aggregator.mechanism.groups])
+    assert len(clips) == run.STEPS and len({c[0] for c in clips}) == run.STEPS  # it moved
+    for rank in results:
+        assert sum(rank["adaptive"]["clips"], []) == pytest.approx(sum(clips, []), rel=1e-6)
+        for got, want in zip(rank["adaptive"]["events"], opt.ledger.events, strict=True):
+            # the counts are added up in float32 in another order: the clips agree to 1e-6
+            assert type(got) is type(want) and getattr(got, "group", None) == getattr(
+                want, "group", None)
+            assert astuple(got) == pytest.approx(astuple(want), rel=1e-6)
+        for p, expected in zip(rank["adaptive"]["params"], model.parameters()):
+            torch.testing.assert_close(p, expected.detach(), rtol=1e-5, atol=1e-6)
+    assert results[0]["adaptive"]["clips"] == results[1]["adaptive"]["clips"]
 
 
 def test_only_process_0_writes_the_ledger_file_and_every_process_keeps_its_events(ranks):
@@ -210,11 +240,9 @@ def test_distributed_needs_torch_distributed_initialised():
         private(run.mlp(), distributed=True)
 
 
-def test_a_distributed_data_parallel_model_and_adaptive_clipping_are_refused(one_process_group):
+def test_a_distributed_data_parallel_model_is_refused(one_process_group):
     with pytest.raises(TypeError, match="pass model.module with distributed=True"):
         private(nn.parallel.DistributedDataParallel(run.mlp()), distributed=True)
-    with pytest.raises(ValueError, match="adaptive clipping counts the unclipped records"):
-        private(run.mlp(), distributed=True, clip_policy="adaptive")
     model, opt, loader = private(run.mlp(), distributed=True, seed=0)  # one process: plain
     twin, twin_opt, twin_loader = private(run.mlp(), seed=0)
     for (x, y, _), (tx, ty, _) in zip(loader, twin_loader):
