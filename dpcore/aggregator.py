@@ -286,6 +286,11 @@ class PrivateAggregator:
         self._check_unreleased()
         self._refuse_traced({}, factors)
         counts = self._count_sums(factors, mask)
+        if counts and observe and not draws.noise:
+            raise ValueError("these draws carry no noise (noise=False), so neither do the "
+                             "counts of adaptive clipping: release with observe=False, add "
+                             "the counts up with those of the process that draws the noise, "
+                             "and move the clips from the sum (observe_counts)")
         self.record_release()
         released = draws.finish(self.expected_size)
         if not counts:

@@ -62,15 +62,30 @@ def _words(size: int) -> np.ndarray:
     return out[:8 * size].view(np.uint64)
 
 
+def _cores() -> int:
+    """The CPUs this process may run on."""
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux
+    return len(affinity(0)) if affinity else (os.cpu_count() or 1)
+
+
 def _ndtri(u: np.ndarray) -> np.ndarray:
     """Phi^-1(u), halves on two threads for large arrays (the ufunc releases the GIL)."""
-    if len(u) < PARALLEL_NORMALS or len(os.sched_getaffinity(0)) < 2:
+    if len(u) < PARALLEL_NORMALS or _cores() < 2:
         return ndtri(u)
-    out, half = np.empty_like(u), len(u) // 2
-    other = threading.Thread(target=ndtri, args=(u[:half],), kwargs={"out": out[:half]})
+    out, half, failed = np.empty_like(u), len(u) // 2, []
+
+    def first_half():
+        try:
+            ndtri(u[:half], out=out[:half])
+        except BaseException as error:  # re-raised below: never return unwritten memory
+            failed.append(error)
+
+    other = threading.Thread(target=first_half)
     other.start()
     ndtri(u[half:], out=out[half:])
     other.join()
+    if failed:
+        raise failed[0]
     return out
 
 

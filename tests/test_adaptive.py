@@ -167,3 +167,18 @@ def test_processes_add_up_their_counts_and_move_the_clips_from_the_sum():
         agg.begin_step()
         assert agg.mechanism.groups[0].clip == pytest.approx(whole.mechanism.groups[0].clip,
                                                              rel=1e-12)
+
+
+def test_counts_without_noise_do_not_move_the_clips():
+    """Draws with noise=False give counts without noise: moving the clips from them would
+    show the exact count in the next step's clip. Refused unless observe=False, before
+    anything is recorded."""
+    agg = PrivateAggregator(flat(["x"], clip=0.1, noise_multiplier=1.0), n=100, q=0.5,
+                            clipping=QuantileClipping(), seed=3)
+    agg.begin_step()
+    factors = agg.clip_factors(np.array([[0.01], [0.04]]))
+    draws = agg.noise_draws({"x": np.zeros(1)}, noise=False)
+    with pytest.raises(ValueError, match="release with observe=False"):
+        agg.release_noisy_sums(draws, factors=factors)
+    assert not any(isinstance(e, SumQueryEvent) for e in agg.ledger.events)
+    assert agg.mechanism.groups[0].clip == 0.1

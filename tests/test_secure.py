@@ -4,6 +4,7 @@ crosses with probability below 1e-6, and a 10% error in a standard deviation or 
 would cross."""
 
 import math
+import os
 import pickle
 
 import numpy as np
@@ -48,6 +49,30 @@ def test_large_draws_are_uniform_words_and_standard_normals(source):
     for half in (x[:size // 2], x[size // 2:]):
         assert stats.kstest(half, "norm").pvalue > 1e-6
         assert abs(half.std() - 1) < 5.5 / math.sqrt(2 * len(half))
+
+
+def test_without_an_affinity_call_the_cpu_count_decides(monkeypatch):
+    """os.sched_getaffinity is Linux's: elsewhere the CPU count says whether to use threads."""
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert secure._cores() == 2
+    x = SecureGenerator().standard_normal(secure.PARALLEL_NORMALS)
+    assert np.isfinite(x).all() and stats.kstest(x, "norm").pvalue > 1e-6
+
+
+def test_a_failure_in_the_helper_thread_is_raised(monkeypatch):
+    """Never the half the helper thread did not write: its error is raised."""
+    import threading
+
+    def ndtri(u, out=None):
+        if threading.current_thread() is not threading.main_thread():
+            raise FloatingPointError("helper")
+        out[...] = 0.0
+
+    monkeypatch.setattr(secure, "ndtri", ndtri)
+    monkeypatch.setattr(secure, "_cores", lambda: 2)
+    with pytest.raises(FloatingPointError, match="helper"):
+        secure._ndtri(np.full(secure.PARALLEL_NORMALS, 0.25))
 
 
 def test_uniforms_lie_on_the_53_bit_grid():

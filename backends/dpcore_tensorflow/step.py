@@ -149,6 +149,11 @@ class PrivateGradients:
         if not self.aggregator.secure:
             raise ValueError("host_normals() serves a secure=True aggregator; this one's noise "
                              "is drawn in graph from its tf.random.Generator")
+        if tf.inside_function():
+            raise RuntimeError(
+                "host_normals() inside a tf.function draws once, at tracing, and every step "
+                "the function runs would reuse that noise: call it eagerly each step and pass "
+                "the normals in as an argument of your function")
         return tf.constant(self.aggregator.rng.standard_normal(self.noise_size))
 
     def graph_step(self, x, y, mask, clips, stds, normals=None):
@@ -163,6 +168,11 @@ class PrivateGradients:
                 "host, afresh each step)" if self.aggregator.secure else
                 "normals are a secure=True aggregator's; this one draws its noise in graph")
         refuse_replicas(tf.distribute.get_strategy().num_replicas_in_sync)
+        if (normals is not None and tf.inside_function()
+                and tf.get_static_value(normals) is not None):
+            raise ValueError("the normals are a constant of the traced function: every step "
+                             "it runs would add the same noise. Pass dp.host_normals(), drawn "
+                             "eagerly each step, as an argument of the function")
         mask = tf.cast(mask, tf.bool)
         sums, bad, losses, outputs = self.engine.clipped_sums(x, y, self.loss_fn, self.clipper,
                                                               clips, mask)

@@ -434,3 +434,36 @@ def test_normals_go_to_the_step_of_a_secure_aggregator_only():
         plain.host_normals()
     assert secure.host_normals().shape == [sum(math.prod(v.shape)
                                                for v in model.trainable_variables)]
+
+
+def test_a_custom_loops_function_takes_fresh_host_normals_and_refuses_traced_ones():
+    """The normals enter the user's tf.function as an argument, drawn eagerly each step: the
+    releases differ. Drawn inside the function, or made a constant of it, one draw would be
+    added at every step: refused."""
+    model = keras.Sequential([keras.Input((5,)), L.Dense(3)])
+    dp = PrivateGradients(model, "mse", aggregator(model, 1e-8, 1e7, seed=None, secure=True),
+                          check_independence=False)
+    x, y, mask = np.zeros((4, 5), "float32"), np.zeros((4, 3), "float32"), np.ones(4, bool)
+
+    def inputs():  # the step's clips and stds, as tensors
+        return [tf.constant(v, tf.float64) for v in dp.record_step()]
+
+    @tf.function
+    def step(x, y, mask, clips, stds, normals):
+        return dp.graph_step(x, y, mask, clips, stds, normals)[0]
+
+    releases = [step(x, y, mask, *inputs(), dp.host_normals())[0].numpy() for _ in range(2)]
+    assert not np.allclose(releases[0], releases[1])
+
+    @tf.function
+    def drawn_inside(x, y, mask, clips, stds):
+        return dp.graph_step(x, y, mask, clips, stds, dp.host_normals())[0]
+
+    @tf.function
+    def constant(x, y, mask, clips, stds):
+        return dp.graph_step(x, y, mask, clips, stds, tf.zeros([dp.noise_size], tf.float64))[0]
+
+    with pytest.raises(RuntimeError, match="inside a tf.function draws once"):
+        drawn_inside(x, y, mask, *inputs())
+    with pytest.raises(ValueError, match="a constant of the traced function"):
+        constant(x, y, mask, *inputs())
