@@ -13,6 +13,10 @@ are written to the ledger, then the compiled step computes the private average g
 one padded Poisson batch and the optimizer applies it (post-processing). Arrays given to
 ``fit`` are Poisson-sampled by the aggregator's sampler, 1/q steps per epoch; a
 ``tf.data.Dataset`` must yield ``(x, y, mask)`` Poisson batches (:func:`.poisson_dataset`).
+
+Under a ``tf.distribute`` strategy of several replicas (the model built and made private in
+its scope) each replica clips its part of every batch and the first adds the noise; Keras's
+optimizer adds the replicas' results up, which is the step's release.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dpcore.aggregation import NonFiniteNormError
 
 from .bookkeeping import leaf_names
 from .data import poisson_dataset
-from .step import PrivateGradients, refuse_replicas
+from .step import PrivateGradients, check_strategy
 
 CLIPPINGS = ("flat", "per_layer")
 
@@ -42,6 +46,7 @@ class _State:
         self.clips: tf.Variable | None = None
         self.stds: tf.Variable | None = None
         self.normals: tf.Variable | None = None  # a secure aggregator's, drawn on the host
+        self.check_source = None  # under several replicas: batches for the check alone
         self.assigned = None  # the (clips, stds) values the variables hold
 
 
@@ -109,12 +114,16 @@ class PrivateModel(keras.Model):
                 metric.update_state(tf.reduce_sum(losses * weight) / tf.maximum(count, 1.0),
                                     sample_weight=count)
         logs = self.compute_metrics(x, y, outputs, sample_weight=weight)
-        return {**logs, "nonfinite_records": tf.reduce_sum(tf.cast(bad, tf.int32))}
+        nonfinite = tf.reduce_sum(tf.cast(bad, tf.int32))
+        replica = tf.distribute.get_replica_context()
+        if replica is not None and replica.num_replicas_in_sync > 1:  # every replica's records
+            nonfinite = replica.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
+        return {**logs, "nonfinite_records": nonfinite}
 
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
-        refuse_replicas(self.distribute_strategy.num_replicas_in_sync)  # before any step
+        check_strategy(self.distribute_strategy)
         dp = self._build_dp()
         state = self._dp_state
         super().make_train_function(force=True)
@@ -122,7 +131,10 @@ class PrivateModel(keras.Model):
 
         def train_function(iterator):
             if dp.independence is not None and not dp.independence.done:
-                iterator = _check_next_batch(dp, iterator)
+                if state.check_source is not None:
+                    dp.check(*next(state.check_source))
+                else:
+                    iterator = _check_next_batch(dp, iterator)
             inputs = dp.record_step()  # ledger first
             if inputs != state.assigned:  # clips or noise moved (or first step)
                 state.clips.assign(inputs[0])
@@ -146,7 +158,6 @@ class PrivateModel(keras.Model):
         """Keras ``fit`` on Poisson batches. Arrays are sampled at the aggregator's rate q,
         ``steps_per_epoch`` (default round(1/q)) samples per epoch; batch sizes, shuffling and
         sample or class weights do not apply (the batch is the Poisson sample)."""
-        refuse_replicas(self.distribute_strategy.num_replicas_in_sync)
         for name, value in (("batch_size", batch_size), ("sample_weight", sample_weight),
                             ("class_weight", class_weight), ("shuffle", shuffle)):
             if value is not None:
@@ -165,6 +176,14 @@ class PrivateModel(keras.Model):
             steps = steps_per_epoch or max(1, round(1 / self.aggregator.q))
             x = poisson_dataset(x, y, sampler=self.aggregator.sampler, steps=steps)
             y, steps_per_epoch = None, None
+        if check_strategy(self.distribute_strategy) > 1:
+            # the replicas get parts of each batch; the check needs whole ones (on the host):
+            # until it is done, each step checks a batch drawn for it alone (not trained on)
+            self._dp_state.check_source = iter(x.repeat())
+            # Keras averages a first batch over the replicas to build the model: not a bool
+            x = x.map(lambda xs, ys, mask: (xs, ys, tf.cast(mask, tf.float32)))
+            if steps_per_epoch is None and int(x.cardinality()) > 0:
+                steps_per_epoch = int(x.cardinality())  # lost in the split over the replicas
         return super().fit(x, y, epochs=epochs, steps_per_epoch=steps_per_epoch, shuffle=False,
                            **kwargs)
 

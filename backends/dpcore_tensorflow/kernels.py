@@ -92,11 +92,13 @@ def standard_normal(generator: tf.random.Generator, n: int, dtype=tf.float32) ->
 
 def noisy_mean(sums: Mapping[str, tf.Tensor], leaves: Sequence[str], stds: tf.Tensor,
                noise: tf.random.Generator | tf.Tensor,
-               expected_size: float) -> dict[str, tf.Tensor]:
+               expected_size: float, first=None) -> dict[str, tf.Tensor]:
     """``(sums[j] + stds[j] N(0, I)) / (q n)`` for the ``leaves`` (stds in that order, from
     :func:`leaf_stds_of`), in graph. ``noise`` is the generator of one draw of sum_j d_j
     normals (float64 if any leaf is, else float32) split into the leaves, or those normals
-    themselves, drawn on the host (a secure aggregator's, :mod:`dpcore.secure`).
+    themselves, drawn on the host (a secure aggregator's, :mod:`dpcore.secure`). ``first``, a
+    bool tensor, keeps the noise where it is true (one replica of several whose results are
+    added up) and leaves it out elsewhere.
 
     The caller must have written the step's sum-query events to the ledger before the result
     of the function that runs this is released."""
@@ -112,6 +114,8 @@ def noisy_mean(sums: Mapping[str, tf.Tensor], leaves: Sequence[str], stds: tf.Te
                          f"{noise.shape}")
     else:
         normals = tf.cast(noise, dtype)
+    if first is not None:
+        stds = tf.where(first, tf.cast(stds, tf.float64), tf.zeros_like(stds, tf.float64))
     scales = tf.unstack(tf.cast(stds / expected_size, dtype), num=len(leaves))
     out = {}
     for leaf, total, z, scale in zip(leaves, totals, tf.split(normals, sizes), scales):

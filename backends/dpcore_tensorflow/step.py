@@ -161,13 +161,19 @@ class PrivateGradients:
         clips (G,) and leaf noise stds (L,) tensors. Whoever runs this must have called
         :meth:`record_step` for the step on the host (it gives clips and stds). A ``secure``
         aggregator's step takes its ``normals`` from :meth:`host_normals`, any other draws
-        them in graph (``normals`` None)."""
+        them in graph (``normals`` None). Run per replica of a ``tf.distribute`` strategy
+        (``strategy.run``) on the replica's part of the batch, it adds the noise in the first
+        replica only: the results added up over the replicas are the step's release."""
         if self.aggregator.secure != (normals is not None):
             raise ValueError(
                 "a secure=True aggregator's step takes normals=dp.host_normals() (drawn on the "
                 "host, afresh each step)" if self.aggregator.secure else
                 "normals are a secure=True aggregator's; this one draws its noise in graph")
-        refuse_replicas(tf.distribute.get_strategy().num_replicas_in_sync)
+        replica = tf.distribute.get_replica_context()
+        first = None
+        if replica is not None and replica.num_replicas_in_sync > 1:
+            check_strategy(tf.distribute.get_strategy())
+            first = tf.equal(replica.replica_id_in_sync_group, 0)
         if (normals is not None and tf.inside_function()
                 and tf.get_static_value(normals) is not None):
             raise ValueError("the normals are a constant of the traced function: every step "
@@ -178,7 +184,7 @@ class PrivateGradients:
                                                               clips, mask)
         means = noisy_mean(sums, self.clipper.leaves, stds,
                            self.aggregator.rng if normals is None else normals,
-                           self.aggregator.expected_size)
+                           self.aggregator.expected_size, first)
         return [means[name] for name in self.engine.names], losses, outputs, bad
 
     def __call__(self, x, y, mask=None) -> list[tf.Tensor]:
@@ -191,7 +197,14 @@ class PrivateGradients:
                 "so it cannot run inside a tf.function (they would be written once, at "
                 "tracing, for every step the function runs). Call it eagerly (its step is "
                 "compiled), or call record_step() eagerly and graph_step() in your function")
-        refuse_replicas(tf.distribute.get_strategy().num_replicas_in_sync)  # before the ledger
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        if replicas > 1:  # before the ledger
+            raise ValueError(
+                f"PrivateGradients(...)(x, y, mask) computes a whole batch's step on one "
+                f"device, not under a tf.distribute strategy of {replicas} replicas: use the "
+                f"private model's fit (make_private), which splits each batch over the "
+                f"replicas, or record_step() and then graph_step per replica "
+                f"(strategy.run) with the results added up")
         if mask is None:
             mask = tf.ones([tf.shape(tf.nest.flatten(x)[0])[0]], tf.bool)
         self.check(x, y, mask)
@@ -204,17 +217,20 @@ class PrivateGradients:
         return grads
 
 
-def refuse_replicas(replicas: int) -> None:
-    """Refuse a ``tf.distribute`` strategy of several replicas: each would clip and noise its
-    part of the batch as a step of its own, and the sum of their releases is not the step the
-    ledger records (noise added once per replica)."""
-    if replicas > 1:
+def check_strategy(strategy: tf.distribute.Strategy) -> int:
+    """The number of replicas of ``strategy``. Several are served under a
+    ``MirroredStrategy`` (one host, whose Python writes the ledger and draws the samples);
+    other strategies of several replicas are refused: with several workers each host would
+    draw a Poisson sample of its own and write its own ledger (not the one sample of a step
+    that is accounted), a parameter server applies updates asynchronously."""
+    replicas = strategy.num_replicas_in_sync
+    if replicas > 1 and not isinstance(strategy, tf.distribute.MirroredStrategy):
         raise ValueError(
-            f"the model runs under a tf.distribute strategy of {replicas} replicas: each "
-            f"would add its own noise to its part of the batch, and their sum is not the step "
-            f"the ledger records. dpcore's TensorFlow steps run on one device: build and fit "
-            f"the model outside the strategy's scope. Across devices, the PyTorch "
-            f"(make_private(distributed=True)) and JAX (sharding=) backends train privately")
+            f"a {type(strategy).__name__} of {replicas} replicas: dpcore's TensorFlow steps "
+            f"serve several replicas under a tf.distribute.MirroredStrategy (one machine) "
+            f"only; with several hosts each would draw its own Poisson sample and write its "
+            f"own ledger")
+    return replicas
 
 
 def raise_on_nonfinite(aggregator, bad: tf.Tensor) -> None:

@@ -1,8 +1,9 @@
 """Run by tests/tensorflow/test_tensorflow_replicas.py in a process of its own, with the CPU
-split into two logical devices (set before TensorFlow starts): a model under a MirroredStrategy
-of two replicas, trained by each route. Prints one JSON object: each route's error, and the
-events its ledger holds."""
+split into two logical devices (set before TensorFlow starts): Keras ``fit`` of a private
+model under a MirroredStrategy of two replicas against the same fit on one device. Prints
+one JSON object."""
 
+import contextlib
 import json
 import os
 
@@ -15,46 +16,129 @@ cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
 import keras  # noqa: E402
+from keras import ops  # noqa: E402
 
 from dpcore_tensorflow import PrivateGradients, make_private  # noqa: E402
 
-X, Y = np.ones((8, 5), "float32"), np.zeros((8, 3), "float32")
+STRATEGY = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+N = 40  # q = 1: every step's batch is the n records and 32 padding rows, 36 per replica
+CE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def attempt(run, ledger) -> dict:
+def data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(N, 6)).astype("float32"), rng.integers(0, 3, N)
+
+
+def fit(strategy, x, y, *, layers=None, epochs=3, **options):
+    """``(updates of the weights, private model, error)`` of ``epochs`` steps at q = 1."""
+    keras.utils.set_random_seed(1)
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = keras.Sequential(layers or [keras.Input((6,)), keras.layers.Dense(8, "tanh"),
+                                            keras.layers.Dense(3)])
+        options = {"max_grad_norm": 0.05, "noise_multiplier": 0.0, "seed": 0, **options}
+        private = make_private(model, n=len(x), q=1.0, **options)
+        private.compile(optimizer=keras.optimizers.SGD(1.0), loss=CE)
+    before = [v.numpy() for v in model.trainable_variables]
     try:
-        run()
-    except ValueError as error:
-        return {"error": str(error), "events": len(ledger.events)}
-    return {"error": None, "events": len(ledger.events)}
+        private.fit(x, y, epochs=epochs, steps_per_epoch=1, verbose=0)
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        return None, private, f"{type(error).__name__}: {error}"
+    return [b - v.numpy() for b, v in zip(before, model.trainable_variables)], private, None
 
 
-def main() -> dict:
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
-        private = make_private(model, n=40, batch_size=8, seed=0)
-        private.compile(optimizer="sgd", loss="mse")
-    out = {"replicas": strategy.num_replicas_in_sync}
-    out["fit"] = attempt(lambda: private.fit(X, Y, steps_per_epoch=1, verbose=0),
-                         private.aggregator.ledger)
-    dp = PrivateGradients(model, "mse", private.aggregator)
+def same_as_one_device() -> dict:
+    """A clip that binds for most records, no noise: the same three steps."""
+    x, y = data()
+    one, _, _ = fit(None, x, y)
+    two, private, error = fit(STRATEGY, x, y)
+    assert error is None, error
+    return {"difference": max(float(np.abs(a - b).max()) for a, b in zip(one, two)),
+            "largest_update": max(float(np.abs(a).max()) for a in one),
+            "steps": len(private.aggregator.ledger.steps()) and
+            private.aggregator.ledger.steps()[0].count,
+            "checked": private._dp_state.dp.independence.done}
 
-    def call_in_scope():
-        with strategy.scope():
-            dp(X, Y)
 
-    out["call"] = attempt(call_in_scope, private.aggregator.ledger)
-    mask = np.ones(8, bool)
+def noise(secure: bool) -> dict:
+    """Zero inputs and targets, a clip near 0: the update times q n is the noise alone."""
+    x, y = np.zeros((N, 6), "float32"), np.zeros(N, "int64")
+    layers = [keras.Input((6,)), keras.layers.Dense(2000)]
+    options = {"max_grad_norm": 1e-8, "noise_multiplier": 1e7, "secure": secure,
+               "seed": None if secure else 0}
+    updates, private, error = fit(STRATEGY, x, y, layers=layers, epochs=1, **options)
+    assert error is None, error
+    event = private.aggregator.ledger.events[-1]
+    return {"std_ratio": float(np.concatenate([u.ravel() for u in updates]).std()
+                               * private.aggregator.expected_size / event.noise_std),
+            "values": int(sum(u.size for u in updates))}
 
-    def graph_step_per_replica():
-        clips, stds = dp.record_step()
-        strategy.run(tf.function(dp.graph_step), (X, Y, mask, clips, stds))
 
-    dp.independence = None  # the check is not what is tried here
-    out["run"] = attempt(graph_step_per_replica, private.aggregator.ledger)
-    return out
+def nonfinite() -> dict:
+    """A NaN in record 39, which the second replica gets."""
+    x, y = data()
+    x[39, 0] = np.nan
+    _, _, error = fit(STRATEGY, x, y, epochs=1)
+    return {"error": error}
+
+
+def mixing() -> dict:
+    """A layer that subtracts the batch mean: the check refuses it under the replicas too."""
+    x, y = data()
+    layers = [keras.Input((6,)), keras.layers.Lambda(lambda t: t - ops.mean(t, axis=0)),
+              keras.layers.Dense(3)]
+    _, private, error = fit(STRATEGY, x, y, layers=layers, epochs=2)
+    return {"error": error, "events": len(private.aggregator.ledger.events)}
+
+
+def graph_step_per_replica() -> dict:
+    """A loop of one's own: graph_step run per replica on its part of a batch, the results
+    added up, against graph_step on the whole batch (clip binding, no noise)."""
+    x, y = data()
+    mask = np.ones(N, bool)
+    keras.utils.set_random_seed(1)
+    with STRATEGY.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+        private = make_private(model, n=N, q=1.0, max_grad_norm=0.05, noise_multiplier=0.0,
+                               seed=0)
+    dp = PrivateGradients(model, CE, private.aggregator, check_independence=False)
+    inputs = [tf.constant(v, tf.float64) for v in dp.record_step()]
+    whole = dp.graph_step(x, y, mask, *inputs)[0]
+    batches = STRATEGY.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensors((x, y, mask)))
+    parts = STRATEGY.run(tf.function(lambda b: dp.graph_step(*b, *inputs)[0]),
+                         args=(next(iter(batches)),))
+    summed = [STRATEGY.reduce(tf.distribute.ReduceOp.SUM, g, axis=None) for g in parts]
+    return {"difference": max(float(np.abs(a - b).max()) for a, b in zip(whole, summed)),
+            "largest": max(float(np.abs(a).max()) for a in whole)}
+
+
+def other_strategy() -> dict:
+    """A strategy of two replicas that is not a MirroredStrategy: refused before any step."""
+    x, y = data()
+    strategy = tf.distribute.experimental.CentralStorageStrategy(
+        compute_devices=["/cpu:0", "/cpu:1"], parameter_device="/cpu:0")
+    _, private, error = fit(strategy, x, y, epochs=1)
+    return {"error": error, "events": len(private.aggregator.ledger.events)}
+
+
+def tape_style_call() -> dict:
+    x, y = data()
+    with STRATEGY.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+        private = make_private(model, n=N, q=1.0, seed=0)
+        dp = PrivateGradients(model, CE, private.aggregator)
+        try:
+            dp(x, y)
+        except ValueError as error:
+            return {"error": str(error), "events": len(private.aggregator.ledger.events)}
+    return {"error": None}
 
 
 if __name__ == "__main__":
-    print(json.dumps(main()))
+    print(json.dumps({"replicas": STRATEGY.num_replicas_in_sync,
+                      "same": same_as_one_device(), "noise": noise(secure=False),
+                      "secure_noise": noise(secure=True), "nonfinite": nonfinite(),
+                      "mixing": mixing(), "per_replica": graph_step_per_replica(),
+                      "other_strategy": other_strategy(),
+                      "call": tape_style_call()}))
