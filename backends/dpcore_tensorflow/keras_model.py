@@ -120,10 +120,30 @@ class PrivateModel(keras.Model):
             nonfinite = replica.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
         return {**logs, "nonfinite_records": nonfinite}
 
+    def _check_replicas(self) -> int:
+        """The number of replicas (:func:`.step.check_strategy`). Under several, the
+        optimizer must not change each replica's result before they are added up: Keras
+        clips gradients (``clipnorm``, ``clipvalue``, ``global_clipnorm``) per replica, and
+        a clip of the parts without noise would not be post-processing of the noisy sum."""
+        replicas = check_strategy(self.distribute_strategy)
+        optimizer = self.optimizer
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            optimizer = optimizer.inner_optimizer
+        options = {name: getattr(optimizer, name, None) for name in
+                   ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps")}
+        options = {name: value for name, value in options.items() if value}
+        if replicas > 1 and options:
+            raise ValueError(
+                f"the optimizer's {options} would act on each of the {replicas} replicas' "
+                f"parts of the step before they are added up (a clip of a part without "
+                f"noise is not post-processing of the private sum): leave them unset under "
+                f"several replicas (the private gradient is already clipped per example)")
+        return replicas
+
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
-        check_strategy(self.distribute_strategy)
+        self._check_replicas()
         dp = self._build_dp()
         state = self._dp_state
         super().make_train_function(force=True)
@@ -176,7 +196,7 @@ class PrivateModel(keras.Model):
             steps = steps_per_epoch or max(1, round(1 / self.aggregator.q))
             x = poisson_dataset(x, y, sampler=self.aggregator.sampler, steps=steps)
             y, steps_per_epoch = None, None
-        if check_strategy(self.distribute_strategy) > 1:
+        if self._check_replicas() > 1:
             # the replicas get parts of each batch; the check needs whole ones (on the host):
             # until it is done, each step checks a batch drawn for it alone (not trained on)
             self._dp_state.check_source = iter(x.repeat())

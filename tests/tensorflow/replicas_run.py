@@ -122,6 +122,21 @@ def other_strategy() -> dict:
     return {"error": error, "events": len(private.aggregator.ledger.events)}
 
 
+def optimizer_clipping() -> dict:
+    """Keras clips gradients per replica, before the sum: refused under replicas."""
+    x, y = data()
+    keras.utils.set_random_seed(1)
+    with STRATEGY.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+        private = make_private(model, n=N, q=1.0, seed=0)
+        private.compile(optimizer=keras.optimizers.SGD(0.1, clipnorm=1.0), loss=CE)
+    try:
+        private.fit(x, y, epochs=1, steps_per_epoch=1, verbose=0)
+    except ValueError as error:
+        return {"error": str(error), "events": len(private.aggregator.ledger.events)}
+    return {"error": None}
+
+
 def tape_style_call() -> dict:
     x, y = data()
     with STRATEGY.scope():
@@ -140,5 +155,5 @@ if __name__ == "__main__":
                       "same": same_as_one_device(), "noise": noise(secure=False),
                       "secure_noise": noise(secure=True), "nonfinite": nonfinite(),
                       "mixing": mixing(), "per_replica": graph_step_per_replica(),
-                      "other_strategy": other_strategy(),
+                      "other_strategy": other_strategy(), "clipnorm": optimizer_clipping(),
                       "call": tape_style_call()}))

@@ -53,3 +53,11 @@ def test_a_strategy_other_than_mirrored_is_refused_before_the_ledger(results):
     error = results["other_strategy"]["error"]
     assert error.startswith("ValueError: a CentralStorageStrategy of 2 replicas")
     assert "MirroredStrategy" in error and results["other_strategy"]["events"] == 0
+
+
+def test_an_optimizer_that_clips_each_replicas_part_is_refused(results):
+    """Keras clips per replica, before the sum: a part without noise clipped is not
+    post-processing of the private sum."""
+    assert "{'clipnorm': 1.0} would act on each of the 2 replicas'" in results["clipnorm"][
+        "error"]
+    assert results["clipnorm"]["events"] == 0
