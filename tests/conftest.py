@@ -50,12 +50,12 @@ def load_example():
 
 @pytest.fixture(scope="session")
 def run_script():
-    """``run_script(path)``: run a test script in a Python process of its own (for a device
-    setup that must come before the framework starts) and return the JSON object its last
-    line of output holds."""
-    def run(script: pathlib.Path, timeout: float = 900) -> dict:
-        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                              timeout=timeout)
+    """``run_script(path, *args)``: run a test script in a Python process of its own (for a
+    device setup that must come before the framework starts) and return the JSON object its
+    last line of output holds."""
+    def run(script: pathlib.Path, *args: str, timeout: float = 900) -> dict:
+        done = subprocess.run([sys.executable, str(script), *args], capture_output=True,
+                              text=True, timeout=timeout)
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 

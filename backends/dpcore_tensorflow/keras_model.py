@@ -30,7 +30,7 @@ from dpcore import Mechanism, PrivateAggregator, flat, per_layer
 from dpcore.aggregation import NonFiniteNormError
 
 from .bookkeeping import leaf_names
-from .data import poisson_dataset
+from .data import default_capacity, poisson_dataset
 from .step import PrivateGradients, check_strategy
 
 CLIPPINGS = ("flat", "per_layer")
@@ -129,15 +129,24 @@ class PrivateModel(keras.Model):
         optimizer = self.optimizer
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             optimizer = optimizer.inner_optimizer
+        if getattr(optimizer, "loss_scale_factor", None):
+            raise ValueError(f"the optimizer's loss_scale_factor={optimizer.loss_scale_factor} "
+                             f"would divide the private gradient, whose per-example losses "
+                             f"are not scaled: leave it unset")
+        if replicas == 1:
+            return replicas
         options = {name: getattr(optimizer, name, None) for name in
                    ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps")}
         options = {name: value for name, value in options.items() if value}
-        if replicas > 1 and options:
+        if options:
             raise ValueError(
                 f"the optimizer's {options} would act on each of the {replicas} replicas' "
                 f"parts of the step before they are added up (a clip of a part without "
                 f"noise is not post-processing of the private sum): leave them unset under "
                 f"several replicas (the private gradient is already clipped per example)")
+        if getattr(self, "jit_compile", False) is True:
+            raise ValueError(f"jit_compile=True under {replicas} replicas: XLA cannot compile "
+                             f"the step across the replicas' devices; compile without it")
         return replicas
 
     def make_train_function(self, force=False):
@@ -150,6 +159,10 @@ class PrivateModel(keras.Model):
         compiled = self.train_function
 
         def train_function(iterator):
+            if self.steps_per_execution != 1:  # set after compile: several releases a call
+                raise ValueError(f"steps_per_execution must be 1 for a private model (the "
+                                 f"ledger is written before every step), got "
+                                 f"{self.steps_per_execution}")
             if dp.independence is not None and not dp.independence.done:
                 if state.check_source is not None:
                     dp.check(*next(state.check_source))
@@ -173,6 +186,13 @@ class PrivateModel(keras.Model):
         self.train_function = train_function
         return train_function
 
+    def train_on_batch(self, *args, **kwargs):
+        if self.distribute_strategy.num_replicas_in_sync > 1:
+            raise ValueError("train_on_batch under several replicas would give every replica "
+                             "the whole batch (each clips it, so the step would hold its sums "
+                             "once per replica): use fit")
+        return super().train_on_batch(*args, **kwargs)
+
     def fit(self, x=None, y=None, *, batch_size=None, epochs=1, steps_per_epoch=None,
             sample_weight=None, class_weight=None, shuffle=None, **kwargs):
         """Keras ``fit`` on Poisson batches. Arrays are sampled at the aggregator's rate q,
@@ -183,10 +203,10 @@ class PrivateModel(keras.Model):
             if value is not None:
                 raise ValueError(f"{name}={value!r} does not apply to a private model: batches "
                                  f"are Poisson samples at rate q={self.aggregator.q}")
+        replicas = self._check_replicas()
         if isinstance(x, tf.data.Dataset):
-            spec = x.element_spec
-            if not (isinstance(spec, tuple) and len(spec) == 3
-                    and getattr(spec[2], "dtype", None) == tf.bool):
+            if not _is_poisson(x):
+                spec = x.element_spec
                 raise ValueError(
                     f"a dataset given to a private model's fit must yield (x, y, mask) Poisson "
                     f"batches with a bool padding mask (dpcore_tensorflow.poisson_dataset); got "
@@ -194,18 +214,36 @@ class PrivateModel(keras.Model):
                     f"they are not, and sample weights do not apply")
         else:
             steps = steps_per_epoch or max(1, round(1 / self.aggregator.q))
-            x = poisson_dataset(x, y, sampler=self.aggregator.sampler, steps=steps)
+            agg = self.aggregator  # batches cut evenly over the replicas
+            capacity = replicas * math.ceil(default_capacity(agg.n, agg.q) / replicas)
+            x = poisson_dataset(x, y, sampler=agg.sampler, steps=steps, capacity=capacity)
             y, steps_per_epoch = None, None
-        if self._check_replicas() > 1:
+        if replicas > 1:
             # the replicas get parts of each batch; the check needs whole ones (on the host):
             # until it is done, each step checks a batch drawn for it alone (not trained on)
             self._dp_state.check_source = iter(x.repeat())
-            # Keras averages a first batch over the replicas to build the model: not a bool
-            x = x.map(lambda xs, ys, mask: (xs, ys, tf.cast(mask, tf.float32)))
+            x = _float_mask(x)
             if steps_per_epoch is None and int(x.cardinality()) > 0:
                 steps_per_epoch = int(x.cardinality())  # lost in the split over the replicas
+            if _is_poisson(kwargs.get("validation_data")):
+                kwargs["validation_data"] = _float_mask(kwargs["validation_data"])
         return super().fit(x, y, epochs=epochs, steps_per_epoch=steps_per_epoch, shuffle=False,
                            **kwargs)
+
+
+def _is_poisson(data) -> bool:
+    """Whether ``data`` is a dataset of ``(x, y, bool mask)`` batches."""
+    if not isinstance(data, tf.data.Dataset):
+        return False
+    spec = data.element_spec
+    return (isinstance(spec, tuple) and len(spec) == 3
+            and getattr(spec[2], "dtype", None) == tf.bool)
+
+
+def _float_mask(dataset: tf.data.Dataset) -> tf.data.Dataset:
+    """The mask as float32: under several replicas Keras averages a first batch over them to
+    build the model, which a bool cannot be."""
+    return dataset.map(lambda x, y, mask: (x, y, tf.cast(mask, tf.float32)))
 
 
 def _check_next_batch(dp: PrivateGradients, iterator):

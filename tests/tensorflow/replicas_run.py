@@ -1,11 +1,13 @@
 """Run by tests/tensorflow/test_tensorflow_replicas.py in a process of its own, with the CPU
-split into two logical devices (set before TensorFlow starts): Keras ``fit`` of a private
-model under a MirroredStrategy of two replicas against the same fit on one device. Prints
+split into logical devices (set before TensorFlow starts): Keras ``fit`` of a private model
+under a MirroredStrategy of two replicas (``python replicas_run.py``) or three (``... 3``;
+one process takes one strategy's collectives) against the same fit on one device. Prints
 one JSON object."""
 
 import contextlib
 import json
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -13,14 +15,16 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+REPLICAS = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+tf.config.set_logical_device_configuration(
+    cpu, [tf.config.LogicalDeviceConfiguration()] * REPLICAS)
 
 import keras  # noqa: E402
 from keras import ops  # noqa: E402
 
-from dpcore_tensorflow import PrivateGradients, make_private  # noqa: E402
+from dpcore_tensorflow import PrivateGradients, make_private, poisson_dataset  # noqa: E402
 
-STRATEGY = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+STRATEGY = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(REPLICAS)])
 N = 40  # q = 1: every step's batch is the n records and 32 padding rows, 36 per replica
 CE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -30,7 +34,7 @@ def data():
     return rng.normal(size=(N, 6)).astype("float32"), rng.integers(0, 3, N)
 
 
-def fit(strategy, x, y, *, layers=None, epochs=3, **options):
+def fit(strategy, x, y, *, layers=None, epochs=3, compiled=None, fitted=None, **options):
     """``(updates of the weights, private model, error)`` of ``epochs`` steps at q = 1."""
     keras.utils.set_random_seed(1)
     with strategy.scope() if strategy else contextlib.nullcontext():
@@ -38,10 +42,11 @@ def fit(strategy, x, y, *, layers=None, epochs=3, **options):
                                             keras.layers.Dense(3)])
         options = {"max_grad_norm": 0.05, "noise_multiplier": 0.0, "seed": 0, **options}
         private = make_private(model, n=len(x), q=1.0, **options)
-        private.compile(optimizer=keras.optimizers.SGD(1.0), loss=CE)
+        private.compile(**{"optimizer": keras.optimizers.SGD(1.0), "loss": CE,
+                           **(compiled or {})})
     before = [v.numpy() for v in model.trainable_variables]
     try:
-        private.fit(x, y, epochs=epochs, steps_per_epoch=1, verbose=0)
+        private.fit(x, y, epochs=epochs, steps_per_epoch=1, verbose=0, **(fitted or {}))
     except Exception as error:  # noqa: BLE001 - reported to the test
         return None, private, f"{type(error).__name__}: {error}"
     return [b - v.numpy() for b, v in zip(before, model.trainable_variables)], private, None
@@ -113,6 +118,44 @@ def graph_step_per_replica() -> dict:
             "largest": max(float(np.abs(a).max()) for a in whole)}
 
 
+def three_replicas() -> dict:
+    """30 records at q = 1: the default capacity, 56 rows, would not split evenly over three
+    replicas (Keras's build would fail); fit pads to 57, and the steps are one device's."""
+    x, y = data()
+    x, y = x[:30], y[:30]
+    one, _, _ = fit(None, x, y)
+    updates, _, error = fit(STRATEGY, x, y)
+    assert error is None, error
+    return {"difference": max(float(np.abs(a - b).max()) for a, b in zip(one, updates)),
+            "largest_update": max(float(np.abs(a).max()) for a in one)}
+
+
+def validation() -> dict:
+    """Validation batches of (x, y, bool mask), as poisson_dataset makes them."""
+    x, y = data()
+    check = poisson_dataset(x, y, q=0.5, steps=2, seed=1)
+    _, private, error = fit(STRATEGY, x, y, epochs=1, fitted={"validation_data": check})
+    return {"error": error, "steps": len(private.aggregator.ledger.events) // 2}
+
+
+def refused(**options) -> dict:
+    """fit or train_on_batch under the replicas with ``options``: the error, the events."""
+    x, y = data()
+    train_on_batch = options.pop("train_on_batch", False)
+    if not train_on_batch:
+        _, private, error = fit(STRATEGY, x, y, epochs=1, **options)
+        return {"error": error, "events": len(private.aggregator.ledger.events)}
+    with STRATEGY.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+        private = make_private(model, n=N, q=1.0, seed=0)
+        private.compile(optimizer="sgd", loss=CE)
+    try:
+        private.train_on_batch(x, y, np.ones(N, bool))
+    except ValueError as error:
+        return {"error": f"ValueError: {error}", "events": len(private.aggregator.ledger.events)}
+    return {"error": None}
+
+
 def other_strategy() -> dict:
     """A strategy of two replicas that is not a MirroredStrategy: refused before any step."""
     x, y = data()
@@ -120,21 +163,6 @@ def other_strategy() -> dict:
         compute_devices=["/cpu:0", "/cpu:1"], parameter_device="/cpu:0")
     _, private, error = fit(strategy, x, y, epochs=1)
     return {"error": error, "events": len(private.aggregator.ledger.events)}
-
-
-def optimizer_clipping() -> dict:
-    """Keras clips gradients per replica, before the sum: refused under replicas."""
-    x, y = data()
-    keras.utils.set_random_seed(1)
-    with STRATEGY.scope():
-        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
-        private = make_private(model, n=N, q=1.0, seed=0)
-        private.compile(optimizer=keras.optimizers.SGD(0.1, clipnorm=1.0), loss=CE)
-    try:
-        private.fit(x, y, epochs=1, steps_per_epoch=1, verbose=0)
-    except ValueError as error:
-        return {"error": str(error), "events": len(private.aggregator.ledger.events)}
-    return {"error": None}
 
 
 def tape_style_call() -> dict:
@@ -150,10 +178,17 @@ def tape_style_call() -> dict:
     return {"error": None}
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and REPLICAS == 3:
+    print(json.dumps({"replicas": REPLICAS, "three": three_replicas()}))
+elif __name__ == "__main__":
     print(json.dumps({"replicas": STRATEGY.num_replicas_in_sync,
                       "same": same_as_one_device(), "noise": noise(secure=False),
                       "secure_noise": noise(secure=True), "nonfinite": nonfinite(),
                       "mixing": mixing(), "per_replica": graph_step_per_replica(),
-                      "other_strategy": other_strategy(), "clipnorm": optimizer_clipping(),
+                      "other_strategy": other_strategy(),
+                      "validation": validation(),
+                      "clipnorm": refused(compiled={
+                          "optimizer": keras.optimizers.SGD(0.1, clipnorm=1.0)}),
+                      "jit": refused(compiled={"jit_compile": True}),
+                      "train_on_batch": refused(train_on_batch=True),
                       "call": tape_style_call()}))

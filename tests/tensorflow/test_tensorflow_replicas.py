@@ -61,3 +61,20 @@ def test_an_optimizer_that_clips_each_replicas_part_is_refused(results):
     assert "{'clipnorm': 1.0} would act on each of the 2 replicas'" in results["clipnorm"][
         "error"]
     assert results["clipnorm"]["events"] == 0
+
+
+def test_three_replicas_take_cut_batches_and_the_steps_of_one_device(run_script):
+    results = run_script(Path(__file__).with_name("replicas_run.py"), "3", timeout=600)
+    assert results["replicas"] == 3
+    assert results["three"]["difference"] < 1e-4 * results["three"]["largest_update"]
+
+
+def test_validation_batches_with_a_padding_mask_are_taken(results):
+    assert results["validation"]["error"] is None and results["validation"]["steps"] == 1
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("jit", "jit_compile=True under 2 replicas"),
+    ("train_on_batch", "train_on_batch under several replicas would give every replica")])
+def test_what_the_replicas_cannot_take_is_refused_before_the_ledger(results, kind, message):
+    assert message in results[kind]["error"] and results[kind]["events"] == 0

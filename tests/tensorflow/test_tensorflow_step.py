@@ -169,6 +169,20 @@ def test_fit_rejects_batch_size_and_multi_step_execution():
     x, y = data(100)
     with pytest.raises(ValueError, match="batch_size=32 does not apply.*Poisson"):
         private.fit(x, y, batch_size=32)
+    private.steps_per_execution = 4  # after compile: several releases per ledger step
+    with pytest.raises(ValueError, match="steps_per_execution must be 1"):
+        private.fit(x, y, epochs=1, steps_per_epoch=1, verbose=0)
+    assert private.aggregator.ledger.events == ()
+
+
+def test_an_optimizers_loss_scale_factor_is_refused():
+    """Keras would divide the private gradient by it; the per-example losses are unscaled."""
+    private = make_private(cnn(), n=100, batch_size=10)
+    private.compile(optimizer=keras.optimizers.SGD(0.1, loss_scale_factor=4.0), loss=CE)
+    x, y = data(100)
+    with pytest.raises(ValueError, match="loss_scale_factor=4.0 would divide"):
+        private.fit(x, y, epochs=1, steps_per_epoch=1, verbose=0)
+    assert private.aggregator.ledger.events == ()
 
 
 def test_fit_stops_on_nonfinite_records():
