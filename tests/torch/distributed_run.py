@@ -63,13 +63,14 @@ def same_seed(out: Path, rank: int) -> dict:
             "in_memory": opt.ledger.path is None}
 
 
-def adaptive(rank: int) -> dict:
-    """Adaptive clipping with seed 5: the clips after each step and the trained weights."""
+def adaptive(batch_size: int, **options) -> dict:
+    """The MLP trained with adaptive clipping and seed 5: the clips after each step, the
+    ledger's events and the trained weights."""
     model = mlp()
     model, opt, loader = make_private(
-        model, torch.optim.SGD(model.parameters(), lr=0.5), DataLoader(data(), batch_size=BATCH),
-        noise_multiplier=0.7, max_grad_norm=0.3, seed=5, distributed=True,
-        clip_policy="adaptive")
+        model, torch.optim.SGD(model.parameters(), lr=0.5),
+        DataLoader(data(), batch_size=batch_size), noise_multiplier=0.7, max_grad_norm=0.3,
+        seed=5, clip_policy="adaptive", **options)
     clips = []
     for x, y, _ in loader:
         opt.zero_grad()
@@ -221,7 +222,7 @@ def main(out: str) -> None:
     out = Path(out)
     rank = dist.get_rank()
     results = {"world": dist.get_world_size(), "same_seed": same_seed(out, rank),
-               "adaptive": adaptive(rank),
+               "adaptive": adaptive(BATCH, distributed=True),
                "noise": noise(out, rank, secure=False),
                "secure_noise": noise(out, rank, secure=True),
                "nan_record": nan_record(out, rank), "other_clip": other_clip(out, rank),

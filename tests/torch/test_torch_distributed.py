@@ -74,27 +74,18 @@ def test_adaptive_clipping_counts_every_processs_records_once(ranks):
     with the same seed does (the counts of the union, one count noise draw, process 0's) and
     trains the same model; every process's clip moves alike."""
     _, results = ranks
-    model = run.mlp()
-    model, opt, loader = make_private(
-        model, torch.optim.SGD(model.parameters(), lr=0.5),
-        DataLoader(run.data(), batch_size=2 * run.BATCH), noise_multiplier=0.7,
-        max_grad_norm=0.3, seed=5, clip_policy="adaptive")
-    clips = []
-    for x, y, _ in loader:
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        clips.append([g.clip for g in opt.aggregator.mechanism.groups])
+    one = run.adaptive(2 * run.BATCH)
+    clips = one["clips"]
     assert len(clips) == run.STEPS and len({c[0] for c in clips}) == run.STEPS  # it moved
     for rank in results:
         assert sum(rank["adaptive"]["clips"], []) == pytest.approx(sum(clips, []), rel=1e-6)
-        for got, want in zip(rank["adaptive"]["events"], opt.ledger.events, strict=True):
+        for got, want in zip(rank["adaptive"]["events"], one["events"], strict=True):
             # the counts are added up in float32 in another order: the clips agree to 1e-6
             assert type(got) is type(want)
             for a, b in zip(astuple(got), astuple(want), strict=True):
                 assert a == (pytest.approx(b, rel=1e-6) if isinstance(b, float) else b)
-        for p, expected in zip(rank["adaptive"]["params"], model.parameters()):
-            torch.testing.assert_close(p, expected.detach(), rtol=1e-5, atol=1e-6)
+        for p, expected in zip(rank["adaptive"]["params"], one["params"], strict=True):
+            torch.testing.assert_close(p, expected, rtol=1e-5, atol=1e-6)
     assert results[0]["adaptive"]["clips"] == results[1]["adaptive"]["clips"]
 
 
