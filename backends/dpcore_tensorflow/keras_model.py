@@ -166,6 +166,8 @@ class PrivateModel(keras.Model):
             if dp.independence is not None and not dp.independence.done:
                 if state.check_source is not None:
                     dp.check(*next(state.check_source))
+                    if dp.independence.done:  # let the source (and its prefetch) go
+                        state.check_source = None
                 else:
                     iterator = _check_next_batch(dp, iterator)
             inputs = dp.record_step()  # ledger first
@@ -203,7 +205,7 @@ class PrivateModel(keras.Model):
             if value is not None:
                 raise ValueError(f"{name}={value!r} does not apply to a private model: batches "
                                  f"are Poisson samples at rate q={self.aggregator.q}")
-        replicas = self._check_replicas()
+        replicas, arrays = self._check_replicas(), None
         if isinstance(x, tf.data.Dataset):
             if not _is_poisson(x):
                 spec = x.element_spec
@@ -216,12 +218,16 @@ class PrivateModel(keras.Model):
             steps = steps_per_epoch or max(1, round(1 / self.aggregator.q))
             agg = self.aggregator  # batches cut evenly over the replicas
             capacity = replicas * math.ceil(default_capacity(agg.n, agg.q) / replicas)
+            arrays = (x, y)
             x = poisson_dataset(x, y, sampler=agg.sampler, steps=steps, capacity=capacity)
             y, steps_per_epoch = None, None
         if replicas > 1:
             # the replicas get parts of each batch; the check needs whole ones (on the host):
-            # until it is done, each step checks a batch drawn for it alone (not trained on)
-            self._dp_state.check_source = iter(x.repeat())
+            # until it is done, each step checks a batch drawn for it alone (not trained on;
+            # from arrays, by a sampler of its own, so the aggregator's draws stay the run's)
+            check = (x if arrays is None else
+                     poisson_dataset(*arrays, q=self.aggregator.q, steps=1, capacity=capacity))
+            self._dp_state.check_source = iter(check.repeat())
             x = _float_mask(x)
             if steps_per_epoch is None and int(x.cardinality()) > 0:
                 steps_per_epoch = int(x.cardinality())  # lost in the split over the replicas

@@ -62,7 +62,25 @@ def same_as_one_device() -> dict:
             "largest_update": max(float(np.abs(a).max()) for a in one),
             "steps": len(private.aggregator.ledger.steps()) and
             private.aggregator.ledger.steps()[0].count,
-            "checked": private._dp_state.dp.independence.done}
+            "checked": private._dp_state.dp.independence.done,
+            "check_source_dropped": private._dp_state.check_source is None}
+
+
+def reproducible() -> dict:
+    """Two seeded runs at q = 1/2 with noise: the same weights (the check draws its batches
+    with a sampler of its own, not the aggregator's)."""
+    x, y = data()
+    weights = []
+    for _ in range(2):
+        keras.utils.set_random_seed(1)
+        with STRATEGY.scope():
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+            private = make_private(model, n=N, q=0.5, max_grad_norm=1.0, noise_multiplier=1.0,
+                                   seed=3)
+            private.compile(optimizer=keras.optimizers.SGD(0.5), loss=CE)
+        private.fit(x, y, epochs=1, steps_per_epoch=4, verbose=0)
+        weights.append([v.numpy() for v in model.trainable_variables])
+    return {"difference": max(float(np.abs(a - b).max()) for a, b in zip(*weights))}
 
 
 def noise(secure: bool) -> dict:
@@ -182,7 +200,8 @@ if __name__ == "__main__" and REPLICAS == 3:
     print(json.dumps({"replicas": REPLICAS, "three": three_replicas()}))
 elif __name__ == "__main__":
     print(json.dumps({"replicas": STRATEGY.num_replicas_in_sync,
-                      "same": same_as_one_device(), "noise": noise(secure=False),
+                      "same": same_as_one_device(), "reproducible": reproducible(),
+                      "noise": noise(secure=False),
                       "secure_noise": noise(secure=True), "nonfinite": nonfinite(),
                       "mixing": mixing(), "per_replica": graph_step_per_replica(),
                       "other_strategy": other_strategy(),

@@ -18,7 +18,11 @@ def test_two_replicas_take_the_steps_of_one_device(results):
     same = results["same"]
     assert results["replicas"] == 2
     assert same["difference"] < 1e-4 * same["largest_update"]
-    assert same["steps"] == 3 and same["checked"]
+    assert same["steps"] == 3 and same["checked"] and same["check_source_dropped"]
+
+
+def test_seeded_runs_under_replicas_repeat(results):
+    assert results["reproducible"]["difference"] == 0
 
 
 @pytest.mark.parametrize("kind", ["noise", "secure_noise"])
