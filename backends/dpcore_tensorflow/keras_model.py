@@ -101,12 +101,7 @@ class PrivateModel(keras.Model):
         state = self._dp_state
         grads, losses, outputs, bad = state.dp.graph_step(x, y, mask, state.clips, state.stds,
                                                           state.normals)
-        optimizer = self.optimizer
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            # Keras wraps it under mixed_float16 and would divide by the loss scale; the
-            # private gradient comes from per-example losses that were never scaled
-            optimizer = optimizer.inner_optimizer
-        optimizer.apply(grads, state.dp.variables)
+        self._applying_optimizer.apply(grads, state.dp.variables)
         weight = tf.cast(mask, losses.dtype)
         count = tf.reduce_sum(weight)
         for metric in self.metrics:
@@ -120,15 +115,23 @@ class PrivateModel(keras.Model):
             nonfinite = replica.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
         return {**logs, "nonfinite_records": nonfinite}
 
+    @property
+    def _applying_optimizer(self):
+        """The optimizer that applies the private gradient: the compiled one, or under
+        mixed_float16 the one Keras wraps in a LossScaleOptimizer (which would divide by its
+        loss scale; the per-example losses were never scaled)."""
+        optimizer = self.optimizer
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            return optimizer.inner_optimizer
+        return optimizer
+
     def _check_replicas(self) -> int:
         """The number of replicas (:func:`.step.check_strategy`). Under several, the
         optimizer must not change each replica's result before they are added up: Keras
         clips gradients (``clipnorm``, ``clipvalue``, ``global_clipnorm``) per replica, and
         a clip of the parts without noise would not be post-processing of the noisy sum."""
         replicas = check_strategy(self.distribute_strategy)
-        optimizer = self.optimizer
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            optimizer = optimizer.inner_optimizer
+        optimizer = self._applying_optimizer
         if getattr(optimizer, "loss_scale_factor", None):
             raise ValueError(f"the optimizer's loss_scale_factor={optimizer.loss_scale_factor} "
                              f"would divide the private gradient, whose per-example losses "
