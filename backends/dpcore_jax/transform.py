@@ -138,6 +138,23 @@ def _release_fn(aggregator, ledger: _Ledger):
     return release
 
 
+def _refuse_manual_axes(what: str) -> None:
+    """Raise when traced under ``pmap`` or ``shard_map`` (the abstract mesh has manual axes):
+    every device would run the program's host callbacks, so each would write the step's
+    events, and a secure aggregator's each draw its own normals (the replicas would drift
+    apart). JAX versions without ``jax.sharding.get_abstract_mesh`` are not checked."""
+    mesh = getattr(jax.sharding, "get_abstract_mesh", lambda: None)()
+    axes = tuple(getattr(mesh, "manual_axes", ()))
+    if axes:
+        raise RuntimeError(
+            f"{what} is traced under pmap or shard_map (manual mesh axes {axes}): every "
+            f"device would write the step's events and draw noise. Compute the clipped sums "
+            f"per device, add them up with jax.lax.psum (the whole ClippedSums, its count "
+            f"included) and call update outside pmap/shard_map (inside your jax.jit), or let "
+            f"dpcore_jax.train / PoissonBatches(..., sharding=) spread the batch over the "
+            f"devices")
+
+
 def _split_key(aggregator):
     """A key for the optimizer state, split off the aggregator's on the host (None for a
     secure aggregator, whose noise is drawn on the host at every step). A traced ``init``
@@ -162,6 +179,7 @@ def private_aggregate(aggregator) -> optax.GradientTransformation:
 
     def update(updates, state, params=None):
         del params
+        _refuse_manual_axes("private_aggregate's update")
         sums, nonfinite = _clipped(updates, aggregator)
         key, mean = release(sums, nonfinite, jnp.int32(-1), state.key)
         return mean, PrivateAggregateState(key)
@@ -204,6 +222,7 @@ def private_optimizer(optimizer: optax.GradientTransformation, aggregator, *,
                                      optimizer.init(params))
 
     def update(updates, state, params=None):
+        _refuse_manual_axes("private_optimizer's update")
         part, part_nonfinite = _clipped(updates, aggregator)
         stamp = io_callback(ledger.stamp, jax.ShapeDtypeStruct((2,), jnp.int32), state.step,
                             state.count, ordered=True)

@@ -108,12 +108,28 @@ def explicit_mesh() -> dict:
     return {"explicit_mesh": None}
 
 
+def psum_over_devices(sums_fn):
+    """``sums_fn`` run on each device's rows under ``shard_map``, its ClippedSums added up
+    over the devices by ``psum``: the pattern the refusal of the optax route under shard_map
+    advises."""
+    def per_device(params, batch, mask):
+        return jax.lax.psum(sums_fn(params, batch, mask), "data")
+
+    return jax.shard_map(per_device, mesh=SHARDED.mesh, out_specs=PartitionSpec(),
+                         in_specs=(PartitionSpec(), PartitionSpec("data"),
+                                   PartitionSpec("data")), check_vma=False)
+
+
 def optax_route() -> dict:
+    """Also ("psum") with the clipped sums of each device's rows added up by psum under
+    shard_map and the update outside it."""
     runs = {}
-    for name, sharding in (("one", None), ("two", SHARDED)):
+    for name, sharding in (("one", None), ("two", SHARDED), ("psum", SHARDED)):
         agg = aggregator()
         opt = private_optimizer(optax.sgd(0.5), agg, accumulation_steps=2)
         sums_fn = clipped_sums(loss_fn, agg.mechanism)
+        if name == "psum":
+            sums_fn = psum_over_devices(sums_fn)
         params = jax.device_put(PARAMS, NamedSharding(SHARDED.mesh, PartitionSpec()))
         state = opt.init(params)
 
@@ -130,7 +146,39 @@ def optax_route() -> dict:
         runs[name] = (params, events(agg))
     return {"optax_difference": largest_difference(runs["one"][0], runs["two"][0]),
             "optax_events_equal": runs["one"][1] == runs["two"][1],
-            "optax_events": len(runs["two"][1])}
+            "optax_events": len(runs["two"][1]),
+            "psum_difference": largest_difference(runs["one"][0], runs["psum"][0]),
+            "psum_events_equal": runs["one"][1] == runs["psum"][1]}
+
+
+def manual_axes() -> dict:
+    """The optax route's update traced under shard_map or pmap over both devices: refused
+    (every device would write the events and draw noise), nothing recorded."""
+    out = {}
+    for k in (1, 2):
+        agg = aggregator()
+        opt = private_optimizer(optax.sgd(0.5), agg, accumulation_steps=k)
+        sums_fn = clipped_sums(loss_fn, agg.mechanism)
+        state = opt.init(PARAMS)
+        batch, mask = next(iter(PoissonBatches(DATA, agg, steps=1, buckets=BUCKETS)))
+
+        def update(params, batch, mask):
+            return opt.update(sums_fn(params, batch, mask), state, params)[0]
+
+        split = jax.tree_util.tree_map(lambda a: a.reshape(2, -1, *a.shape[1:]), (batch, mask))
+        for how, run in (
+                ("shard_map", lambda: jax.jit(jax.shard_map(
+                    update, mesh=SHARDED.mesh, out_specs=PartitionSpec(),
+                    in_specs=(PartitionSpec(), PartitionSpec("data"), PartitionSpec("data")),
+                    check_vma=False))(PARAMS, batch, mask)),
+                ("pmap", lambda: jax.pmap(update, in_axes=(None, 0, 0))(PARAMS, *split))):
+            try:
+                run()
+                out[f"{how}_{k}"] = None
+            except RuntimeError as error:
+                out[f"{how}_{k}"] = str(error)
+        out[f"manual_events_{k}"] = [type(e).__name__ for e in agg.ledger.events]
+    return out
 
 
 def secure_optax() -> dict:
@@ -159,4 +207,4 @@ def secure_optax() -> dict:
 if __name__ == "__main__":
     assert len(jax.devices()) == 2
     print(json.dumps({**grads_and_noise(), **batches(), **training(), **explicit_mesh(),
-                      **optax_route(), **secure_optax()}))
+                      **optax_route(), **secure_optax(), **manual_axes()}))

@@ -63,3 +63,17 @@ def test_the_secure_optax_route_over_two_devices_adds_the_hosts_normals(results)
 def test_a_mesh_with_explicit_axes_is_refused(results):
     assert "has explicit axes ('data',)" in results["explicit_mesh"]
     assert "AxisType.Auto" in results["explicit_mesh"]
+
+
+def test_clipped_sums_added_up_by_psum_under_shard_map_train_as_on_one_device(results):
+    """The pattern the refusal below advises: each device's clipped sums added by psum
+    inside shard_map, the optax update outside it."""
+    assert results["psum_difference"] < 1e-5 and results["psum_events_equal"]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("how", ["shard_map", "pmap"])
+def test_the_optax_update_under_shard_map_or_pmap_is_refused(results, how, k):
+    """Every device would run its callbacks: write the step's events and draw noise."""
+    assert "traced under pmap or shard_map" in results[f"{how}_{k}"]
+    assert results[f"manual_events_{k}"] == ["SamplingEvent"]
