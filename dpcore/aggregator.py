@@ -311,17 +311,61 @@ class PrivateAggregator:
         release with ``observe=False``, added up over the processes that share the step)."""
         self._policy.observe(released)
 
-    def release(self, per_record: Mapping[str, object], *, mask=None) -> dict:
+    def release(self, per_record: Mapping[str, object], *, mask=None,
+                mechanism: Mechanism | None = None) -> dict:
         """The private average of ``per_record`` (leaf -> (B, *shape)), rows = the sample's
-        records; ``mask`` (B,) marks real rows of a padded batch."""
-        mechanism = self.mechanism
+        records; ``mask`` (B,) marks real rows of a padded batch.
+
+        ``mechanism`` releases quantities other than the aggregator's (a metric of the
+        sample, batch-norm statistics: groups, clips and noise of their own) on the current
+        step's sample: their sum-query events join the step's, and the accountants price
+        the step's queries together (Eq. (1)). Its group names must differ from the
+        aggregator's; not under a budget, which prices a step by the aggregator's groups."""
+        if mechanism is not None:
+            return self._release_other(per_record, mechanism, mask)
+        factors, sums = self._clipped_sum(per_record, self.mechanism, mask)
+        return self.release_sums(sums, factors=factors, mask=mask)
+
+    def _clipped_sum(self, per_record, mechanism: Mechanism, mask):
+        """(clip factors (B, G), clipped sums by leaf) of ``per_record`` under ``mechanism``."""
         mechanism.check_leaves(per_record)
         self._refuse_traced(per_record)
-        leaves = mechanism.leaves
-        factors = self.clip_factors(aggregation.per_leaf_sq_norms(per_record, leaves), mask=mask)
+        leaves, xp = mechanism.leaves, self.backend.namespace()
+        norms = aggregation.group_norms(aggregation.per_leaf_sq_norms(per_record, leaves),
+                                        mechanism, leaves, xp=xp)
+        factors = aggregation.clip_factors(norms, [g.clip for g in mechanism.groups],
+                                           mask=mask, on_nonfinite=self.on_nonfinite, xp=xp)
         zero_rows = None
         if mask is not None or self.on_nonfinite == "drop":
             zero_rows = array_namespace(factors).equal(factors[:, 0], 0)
-        sums = aggregation.clipped_sum(per_record, factors, mechanism, leaves,
-                                       zero_rows=zero_rows)
-        return self.release_sums(sums, factors=factors, mask=mask)
+        return factors, aggregation.clipped_sum(per_record, factors, mechanism, leaves,
+                                                zero_rows=zero_rows)
+
+    def _release_other(self, per_record, mechanism: Mechanism, mask) -> dict:
+        """:meth:`release` of another ``mechanism``'s groups on the current step."""
+        if not isinstance(mechanism, Mechanism):
+            raise TypeError(f"mechanism must be a dpcore Mechanism, got {mechanism!r}")
+        if self.budget is not None:
+            raise RuntimeError(
+                "a release of another mechanism under a privacy budget: the budget prices "
+                "each step by the aggregator's groups alone. Put the quantity in the "
+                "aggregator's mechanism, or release without a budget")
+        if self._step < 0:
+            raise RuntimeError("no sample to release from: call sample() or begin_step() first")
+        header = self.ledger.header
+        if (mechanism.record, mechanism.microbatch_size) != (header.record,
+                                                             header.microbatch_size):
+            raise ValueError(f"the mechanism's record is {mechanism.record!r}, the ledger's "
+                             f"{header.record!r}: a step's queries share one unit of privacy")
+        clash = sorted({g.name for g in mechanism.groups} & {g.name for g in self._released.groups})
+        if clash:
+            raise ValueError(f"group names {clash} are the aggregator's own; give the other "
+                             f"mechanism's groups names of their own (the ledger tells them "
+                             f"apart by name)")
+        _, sums = self._clipped_sum(per_record, mechanism, mask)
+        self.ledger.record_sum_queries(
+            [SumQueryEvent(g.name, g.clip, g.noise_std) for g in mechanism.groups])
+        self.rng, released = aggregation.noisy_average(
+            sums, mechanism, self.rng, self.standard_normal, self.expected_size,
+            xp=self.backend.namespace())
+        return released

@@ -154,3 +154,76 @@ def test_dropped_records_under_on_nonfinite_drop():
     per_record["m"][0, 0] = np.inf
     out = agg.release(per_record)
     assert out["w"][0] == pytest.approx(0.1 / 2.0)
+
+
+METRIC = Mechanism((Group("metric", ("correct", "loss"), clip=2.0, noise_std=8.0),))
+
+
+def test_another_mechanism_released_on_the_step_is_priced_with_it(tmp_path):
+    """A metric of the sample (its own group, clip and noise) released after the gradient:
+    without noise, the exact clipped average (float64 oracle); with noise, noise of the std
+    its event records; the event in the step, and the step priced by Eq. (1) over all its
+    groups."""
+    from dpcore import accounting
+
+    rng = np.random.default_rng(4)
+    quiet = PrivateAggregator(MECHANISM, n=100, q=0.2, seed=3)
+    idx = quiet.sample()
+    rows = {"correct": rng.normal(size=(len(idx), 3)), "loss": rng.normal(size=(len(idx), 2))}
+    out = quiet.release(rows, mechanism=METRIC.with_noise([0.0]))
+    joined = np.concatenate([rows["correct"], rows["loss"]], axis=1)
+    factors = np.minimum(1.0, 2.0 / np.linalg.norm(joined, axis=1))
+    assert factors.min() < 0.9  # some rows clipped
+    expected = (factors[:, None] * joined).sum(0) / quiet.expected_size
+    np.testing.assert_allclose(np.concatenate([out["correct"], out["loss"]]), expected,
+                               rtol=1e-12)
+
+    path = tmp_path / "run.jsonl"
+    agg = PrivateAggregator(MECHANISM, n=1000, q=0.02, ledger=path, seed=3)
+    noise = []
+    for _ in range(40):
+        idx = agg.sample()
+        agg.release(zeros(len(idx)))
+        out = agg.release({"correct": np.zeros((len(idx), 300)),
+                           "loss": np.zeros((len(idx), 200))}, mechanism=METRIC)
+        noise.append(np.concatenate([out["correct"], out["loss"]]) * agg.expected_size)
+    agg.ledger.close()
+    draws = np.concatenate(noise)  # 20,000 draws: relative standard error 0.5%
+    assert np.std(draws) == pytest.approx(8.0, rel=0.03)
+    assert abs(np.mean(draws)) < 5 * 8.0 / np.sqrt(draws.size)
+    events = read_ledger(path).events
+    assert [type(e) for e in events[:4]] == [SamplingEvent, SumQueryEvent, SumQueryEvent,
+                                             SumQueryEvent]
+    assert events[3] == SumQueryEvent("metric", 2.0, 8.0)
+    z = (1 / 3.0 ** 2 + (0.5 / 2.0) ** 2 + (2.0 / 8.0) ** 2) ** -0.5  # Eq. (1), all groups
+    assert [(s.q, s.noise_multiplier, s.count) for s in agg.ledger.steps()] == [
+        (0.02, pytest.approx(z), 40)]
+    assert accounting.epsilon(path, 1e-5) == pytest.approx(
+        accounting.epsilon([(0.02, z, 40)], 1e-5))
+
+
+def test_another_mechanism_s_release_refuses_what_it_cannot_price():
+    """Nothing written for any of the refusals."""
+    from dpcore import PrivacyBudget
+
+    rows = {"correct": np.zeros((3, 2)), "loss": np.zeros((3, 1))}
+    agg = PrivateAggregator(MECHANISM, n=100, q=0.1, seed=0)
+    with pytest.raises(RuntimeError, match="no sample to release from"):
+        agg.release(rows, mechanism=METRIC)
+    agg.sample()
+    with pytest.raises(ValueError, match=r"\['dense'\] are the aggregator's own"):
+        agg.release(rows, mechanism=Mechanism((Group("dense", ("correct", "loss"), 1.0, 1.0),)))
+    with pytest.raises(ValueError, match="record is 'user'"):
+        agg.release(rows, mechanism=Mechanism(METRIC.groups, record="user"))
+    with pytest.raises(TypeError, match="must be a dpcore Mechanism"):
+        agg.release(rows, mechanism="metric")
+    bad = {"correct": np.full((3, 2), np.nan), "loss": np.zeros((3, 1))}
+    with pytest.raises(NonFiniteNormError):
+        agg.release(bad, mechanism=METRIC)
+    assert [type(e) for e in agg.ledger.events] == [SamplingEvent]
+    budgeted = PrivateAggregator(MECHANISM, n=100, q=0.1, seed=0,
+                                 budget=PrivacyBudget(10.0, 1e-5))
+    budgeted.sample()
+    with pytest.raises(RuntimeError, match="under a privacy budget"):
+        budgeted.release(rows, mechanism=METRIC)
+    assert [type(e) for e in budgeted.ledger.events] == [SamplingEvent]
