@@ -11,6 +11,7 @@ sampling at rate q = batch_size / n with the same dataset and collate function. 
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 import torch
@@ -28,12 +29,21 @@ CLIPPINGS = ("flat", "per_layer")
 
 
 def build_mechanism(clipping, leaf_sizes: Mapping[str, int], max_grad_norm: float,
-                    noise_multiplier: float) -> Mechanism:
+                    noise_multiplier: float | None) -> Mechanism:
     """``"flat"``: one group, clip S; ``"per_layer"``: one group per parameter with
     S_g = S / sqrt(L) and proportional noise (Eq. (1) multiplier = ``noise_multiplier``);
-    a :class:`dpcore.Mechanism` is used as given (its leaves are parameter names)."""
+    a :class:`dpcore.Mechanism` (leaves = parameter names) keeps its clips and allocation,
+    its noise scaled to ``noise_multiplier`` if given (every sigma~_g times z / z_mechanism)."""
     if isinstance(clipping, Mechanism):
-        return clipping
+        if noise_multiplier is None:
+            return clipping
+        own = clipping.noise_multiplier
+        if not 0 < own < math.inf:
+            raise ValueError(f"the mechanism's noise multiplier is {own} (Eq. (1)), which no "
+                             f"scaling of its noise makes {noise_multiplier}; give its "
+                             f"groups noise, or leave noise_multiplier and target_epsilon out")
+        return clipping.with_noise([g.noise_std * noise_multiplier / own
+                                    for g in clipping.groups])
     if clipping == "flat":
         return flat(list(leaf_sizes), max_grad_norm, noise_multiplier)
     if clipping == "per_layer":
@@ -64,9 +74,10 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
 
     Give ``noise_multiplier`` z, or ``target_epsilon`` with ``target_delta`` and ``epochs`` to
     calibrate z up front for epochs * round(1/q) steps. ``clipping`` is ``"flat"``,
-    ``"per_layer"`` or a :class:`dpcore.Mechanism` over the parameter names. ``loss_reduction``
-    must match the loss (``"mean"`` or ``"sum"`` over the batch). ``ledger`` is a path, a
-    :class:`dpcore.Ledger` or None (in memory). ``seed`` fixes sampling and noise (tests only;
+    ``"per_layer"`` or a :class:`dpcore.Mechanism` over the parameter names, whose clips and
+    allocation are kept and whose noise is scaled to z (as given, without either).
+    ``loss_reduction`` must match the loss (``"mean"`` or ``"sum"`` over the batch).
+    ``ledger`` is a path, a :class:`dpcore.Ledger` or None (in memory). ``seed`` fixes sampling and noise (tests only;
     None draws OS entropy); ``secure`` draws sampling and noise from the system's
     cryptographically secure generator instead (:mod:`dpcore.secure`; no seed). ``mode`` is
     ``"auto"`` (ghost norms and book-keeping where a layer rule exists, ``torch.func``
@@ -112,9 +123,11 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
         workers.copy_model(module)
     n = len(data_loader.dataset)
     q = sample_rate_of(data_loader, 1 if workers is None else workers.world)
-    if (noise_multiplier is None) == (target_epsilon is None):
-        raise ValueError("give exactly one of noise_multiplier and target_epsilon "
-                         f"(got noise_multiplier={noise_multiplier!r}, "
+    own = isinstance(clipping, Mechanism)  # its own noise unless one of the two is given
+    if noise_multiplier is not None and target_epsilon is not None or (
+            noise_multiplier is None and target_epsilon is None and not own):
+        raise ValueError(f"give {'at most' if own else 'exactly'} one of noise_multiplier and "
+                         f"target_epsilon (got noise_multiplier={noise_multiplier!r}, "
                          f"target_epsilon={target_epsilon!r})")
     if target_epsilon is not None:
         if target_delta is None or epochs is None:

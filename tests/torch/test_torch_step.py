@@ -362,6 +362,48 @@ def test_target_epsilon_calibrates_the_noise_up_front():
                      max_grad_norm=1.0)
 
 
+def test_a_mechanism_of_ones_own_keeps_its_allocation_and_meets_the_target():
+    """clipping=Mechanism with target_epsilon: its groups' noise scaled to the calibrated z
+    (the clips and the ratio of the noises kept), the run spending the target; with
+    noise_multiplier, scaled to it; with neither, as given; with both, refused."""
+    ds = data(100)
+    model = mlp()
+    names = [n for n, _ in model.named_parameters()]
+    mechanism = dpcore.Mechanism((dpcore.Group("first", tuple(names[:2]), 0.5, 0.3),
+                                  dpcore.Group("rest", tuple(names[2:]), 1.0, 0.9)))
+
+    def private(**options):
+        return make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            DataLoader(ds, batch_size=10), max_grad_norm=1.0, seed=0,
+                            clipping=mechanism, **options)
+
+    _, opt, loader = private(target_epsilon=2.0, target_delta=1e-5, epochs=2)
+    first, rest = opt.aggregator.mechanism.groups
+    assert (first.clip, rest.clip) == (0.5, 1.0)
+    assert rest.noise_std / first.noise_std == pytest.approx(3.0)
+    for _ in range(2):
+        for x, y in loader:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert opt.epsilon(1e-5) == pytest.approx(2.0, rel=1e-3) and opt.epsilon(1e-5) <= 2.0
+    opt.engine.detach()
+    _, opt, _ = private(noise_multiplier=1.5)
+    assert opt.noise_multiplier == pytest.approx(1.5)
+    assert opt.aggregator.mechanism.groups[1].noise_std / \
+        opt.aggregator.mechanism.groups[0].noise_std == pytest.approx(3.0)
+    opt.engine.detach()
+    _, opt, _ = private()
+    assert opt.aggregator.mechanism == mechanism
+    opt.engine.detach()
+    with pytest.raises(ValueError, match="at most one"):
+        private(noise_multiplier=1.0, target_epsilon=2.0, target_delta=1e-5, epochs=1)
+    with pytest.raises(ValueError, match="no scaling of its noise"):
+        make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                     DataLoader(ds, batch_size=10), max_grad_norm=1.0,
+                     clipping=mechanism.with_noise([0.0, 0.9]), noise_multiplier=1.0)
+
+
 def test_the_main_job_runs(tmp_path, capsys, load_example):
     pytest.importorskip("sklearn")
     pytest.importorskip("matplotlib")
