@@ -4,6 +4,7 @@
 * :class:`PerExampleEngine` + :func:`private_grads` - the functional step for custom loops
   (:func:`clip_into` to accumulate a Poisson sample over micro-batches);
 * :func:`poisson_loader` - Poisson-sampled batches (empty batches included);
+* :class:`BatchNormStatistics` - BatchNorm layers trained with privately released statistics;
 * :func:`register_linear` - another library's linear layer class (GPT-2's ``Conv1D``) run
   through the Linear rule;
 * :class:`TorchBackend` - the dpcore backend contract (``dpcore.get_backend("torch")``).
@@ -17,6 +18,7 @@ from dpcore.plugins import lazy_exports
 _HOME = {
     "TorchBackend": "backend",
     "PoissonBatchSampler": "data", "poisson_loader": "data",
+    "BatchNormStatistics": "batch_norm",
     "AccumulationError": "engine", "LeakedGradientError": "engine",
     "NotPerExampleError": "engine",
     "PerExampleEngine": "engine",

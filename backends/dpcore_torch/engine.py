@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .attention import ATTENTION_RULES
+from .batch_norm import PrivateStatistics
 from .draws import enter_opaque, leave_opaque, opaque
 from .fallback import FallbackUnit, recording
 from .independence import Probe, probing
@@ -48,10 +49,12 @@ class LeakedGradientError(RuntimeError):
     """A parameter got a gradient that no instrumented layer saw per example."""
 
 
-def check_per_example(module: nn.Module) -> None:
-    """Raise :class:`NotPerExampleError` for layers that mix the examples of a batch."""
+def check_per_example(module: nn.Module, *, private_batch_norm: bool = False) -> None:
+    """Raise :class:`NotPerExampleError` for layers that mix the examples of a batch (not
+    BatchNorm layers whose statistics are released privately)."""
     for name, sub in module.named_modules():
-        _check_layer(name or "<root>", sub)
+        if not (private_batch_norm and isinstance(sub, nn.modules.batchnorm._BatchNorm)):
+            _check_layer(name or "<root>", sub)
 
 
 def _check_layer(name: str, sub: nn.Module) -> None:
@@ -67,7 +70,9 @@ def _check_layer(name: str, sub: nn.Module) -> None:
         raise NotPerExampleError(
             f"{type(sub).__name__} {name!r} {state}: it normalises each example with "
             f"statistics of the whole batch, so per-example gradients (and DP) are undefined. "
-            f"Replace it with nn.GroupNorm({min(32, c)}, {c}) (or nn.LayerNorm), or {fix}")
+            f"Replace it with nn.GroupNorm({min(32, c)}, {c}) (or nn.LayerNorm), or {fix}, "
+            f"or have make_private release its statistics privately "
+            f"(batch_norm=BatchNormStatistics(clip, noise_multiplier))")
     if isinstance(sub, (nn.MultiheadAttention, nn.RNNBase)) and not sub.batch_first:
         raise NotPerExampleError(
             f"{type(sub).__name__} {name!r} has batch_first=False: dpcore needs the examples on "
@@ -166,7 +171,8 @@ class PerExampleEngine:
     """
 
     def __init__(self, module: nn.Module, *, mode: str = "auto", loss_reduction: str = "mean",
-                 prefer: str = "memory", check_independence: bool = True):
+                 prefer: str = "memory", check_independence: bool = True,
+                 batch_norm: PrivateStatistics | None = None):
         if prefer not in PREFERENCES:
             raise ValueError(f"prefer must be one of {PREFERENCES}, got {prefer!r}")
         self.prefer = prefer
@@ -174,7 +180,7 @@ class PerExampleEngine:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if loss_reduction not in REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {REDUCTIONS}, got {loss_reduction!r}")
-        check_per_example(module)
+        check_per_example(module, private_batch_norm=batch_norm is not None)
         engines = [sub for sub in module.modules() if getattr(sub, "_dpcore_engine", None)]
         if engines:
             raise ValueError(
@@ -208,7 +214,7 @@ class PerExampleEngine:
                           for leaf, p in self.params.items()]
         for name, sub in module.named_modules():
             hooks = []
-            if isinstance(sub, nn.modules.batchnorm._BatchNorm):
+            if isinstance(sub, nn.modules.batchnorm._BatchNorm) and batch_norm is None:
                 hooks.append(sub.register_forward_pre_hook(_refuse_training_batchnorm(name)))
             if isinstance(sub, nn.MultiheadAttention):  # its code transposes the batch axis
                 hooks += [sub.register_forward_pre_hook(enter_opaque, with_kwargs=True),
@@ -226,6 +232,9 @@ class PerExampleEngine:
             if hooks:
                 instrumentation(sub).hooks.extend(hooks)
                 self._handles += hooks
+        self.batch_norm = batch_norm
+        if batch_norm is not None:
+            batch_norm.instrument()
         module._dpcore_engine = True
         instrumentation(module).added.add("_dpcore_engine")
 
@@ -320,6 +329,8 @@ class PerExampleEngine:
             unit.remove()
         for handle in self._handles:
             handle.remove()
+        if self.batch_norm is not None:
+            self.batch_norm.remove()
         self.units, self._handles, self._probe = [], [], None
         self.module.__dict__.pop("_dpcore_engine", None)
         for sub in self.module.modules():

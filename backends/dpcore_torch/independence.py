@@ -80,6 +80,7 @@ SPLITS = 4  # random splits of the batch into halves for the rerun
 FACTORS = (1.0, 2.0, -1.0, 0.5)  # per split: the replaced rows' floating inputs, source times
 BATCHES = 2  # checked passes: the first, and the next with the weights the first step moved
 _active = False
+_rerunning = False
 
 
 class NotPerExampleError(ValueError):
@@ -89,6 +90,22 @@ class NotPerExampleError(ValueError):
 def probing() -> bool:
     """Whether the backward pass running is the check's (book-keeping must ignore it)."""
     return _active
+
+
+def rerunning() -> bool:
+    """Whether the check is running the model again on a changed batch (a layer that
+    releases statistics of the step's batch must reuse them, not release again)."""
+    return _rerunning
+
+
+@contextlib.contextmanager
+def _running_again():
+    global _rerunning
+    previous, _rerunning = _rerunning, True
+    try:
+        yield
+    finally:
+        _rerunning = previous
 
 
 @contextlib.contextmanager
@@ -364,7 +381,8 @@ class Probe:
         try:
             with before.restored(module, start):
                 try:
-                    module(*args, **kwargs)
+                    with _running_again():
+                        module(*args, **kwargs)
                 finally:
                     self._remove()
                 output, self._rerun_output = self._rerun_output, None

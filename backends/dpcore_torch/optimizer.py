@@ -97,6 +97,12 @@ class PrivateOptimizer(torch.optim.Optimizer):
         abandoned: nothing is released. Across processes (``distributed=True``) the step's
         later micro-batches in this process are then dropped and its :meth:`step` raises
         in every process, so that they all abandon the same step."""
+        if self.engine.batch_norm is not None:
+            raise ValueError("accumulate() with BatchNorm statistics released privately: they "
+                             "are released from the step's first forward pass, which would "
+                             "hold one micro-batch of the Poisson sample. Give the loader a "
+                             "batch size that fits in memory, or replace BatchNorm with "
+                             "GroupNorm")
         with torch.no_grad():
             if self._failed is not None:  # this step failed here already
                 self.engine.clear()
@@ -108,12 +114,19 @@ class PrivateOptimizer(torch.optim.Optimizer):
                     self._failed = error
                 raise
 
-    def _accumulate(self) -> None:
-        self._refuse_stray(self.param_groups, grads=True)
+    def begin(self) -> int:
+        """Begin the step (its sampling event, its noise draws) unless it has begun; its
+        number. ``step()`` (or the first ``accumulate()``) begins it, or, before them, the
+        first BatchNorm layer releasing its statistics in the forward pass."""
         if self._pending is None:
             self.aggregator.begin_step()
             noise = self.workers is None or self.workers.draws_noise
             self._pending = (self.aggregator.noise_draws(self.engine.params, noise=noise), [])
+        return self.aggregator.step
+
+    def _accumulate(self) -> None:
+        self._refuse_stray(self.param_groups, grads=True)
+        self.begin()
         draws, factors = self._pending
         try:
             factors.append(clip_into(self.engine, self.aggregator, draws))

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from dpcore import Ledger, Mechanism, PrivateAggregator, QuantileClipping, flat, per_layer
 
+from .batch_norm import BatchNormStatistics, PrivateStatistics
 from .data import poisson_loader, sample_rate_of, steps_per_epoch
 from .distributed import Workers
 from .engine import PerExampleEngine
@@ -69,7 +70,8 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
                  ledger=None, seed: int | None = None, mode: str = "auto",
                  prefer: str = "memory", accountant: str = "pld", clip_policy=None,
                  budget=None, on_nonfinite: str = "raise", check_independence: bool = True,
-                 secure: bool = False, distributed: bool = False):
+                 secure: bool = False, distributed: bool = False,
+                 batch_norm: BatchNormStatistics | None = None):
     """Private (module, optimizer, data_loader).
 
     Give ``noise_multiplier`` z, or ``target_epsilon`` with ``target_delta`` and ``epochs`` to
@@ -77,9 +79,10 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     ``"per_layer"`` or a :class:`dpcore.Mechanism` over the parameter names, whose clips and
     allocation are kept and whose noise is scaled to z (as given, without either).
     ``loss_reduction`` must match the loss (``"mean"`` or ``"sum"`` over the batch).
-    ``ledger`` is a path, a :class:`dpcore.Ledger` or None (in memory). ``seed`` fixes sampling and noise (tests only;
-    None draws OS entropy); ``secure`` draws sampling and noise from the system's
-    cryptographically secure generator instead (:mod:`dpcore.secure`; no seed). ``mode`` is
+    ``ledger`` is a path, a :class:`dpcore.Ledger` or None (in memory). ``seed`` fixes
+    sampling and noise (tests only; None draws OS entropy); ``secure`` draws sampling and
+    noise from the system's cryptographically secure generator instead
+    (:mod:`dpcore.secure`; no seed). ``mode`` is
     ``"auto"`` (ghost norms and book-keeping where a layer rule exists, ``torch.func``
     elsewhere) or ``"vmap"`` (``torch.func`` for the whole model);
     ``prefer`` ("memory" or "time") picks ghost norms or materialised per-example gradients per
@@ -107,9 +110,17 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     the noise, and the sums are added over the processes; only process 0 writes a ledger
     path. Adaptive clipping counts the unclipped records of every process's share: the
     counts are added up with the releases, their noise drawn by process 0 alone.
+
+    ``batch_norm`` (a :class:`~dpcore_torch.batch_norm.BatchNormStatistics`) trains the
+    model's BatchNorm layers with their batch statistics released privately at each step's
+    forward pass (:mod:`dpcore_torch.batch_norm`); the step's noise multiplier (given or
+    calibrated) then covers those releases too. Not with ``distributed`` or a ``budget``.
     """
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch DataLoader, got {data_loader!r}")
+    statistics = None
+    if batch_norm is not None:
+        statistics = _batch_norm_statistics(module, batch_norm, distributed, budget)
     if isinstance(module, nn.parallel.DistributedDataParallel):
         raise TypeError("make_private takes the model itself, not a DistributedDataParallel "
                         "(which would add up the unclipped gradients): pass model.module "
@@ -135,8 +146,11 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
                              "noise multiplier")
         noise_multiplier = calibrate(target_epsilon, target_delta, q,
                                      epochs * steps_per_epoch(q), accountant)
+    if statistics is not None and noise_multiplier is not None:  # the step's total
+        noise_multiplier = batch_norm.gradient_noise_multiplier(noise_multiplier,
+                                                                len(statistics.layers))
     engine = PerExampleEngine(module, mode=mode, loss_reduction=loss_reduction, prefer=prefer,
-                              check_independence=check_independence)
+                              check_independence=check_independence, batch_norm=statistics)
     try:
         mechanism = build_mechanism(clipping, engine.leaf_sizes, max_grad_norm,
                                     noise_multiplier)
@@ -158,4 +172,26 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
         data_loader.dataset, q, sampler=aggregator.sampler, collate_fn=data_loader.collate_fn,
         shard=None if workers is None else workers.shard,
         num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory)
-    return module, PrivateOptimizer(optimizer, engine, aggregator, workers=workers), loader
+    private = PrivateOptimizer(optimizer, engine, aggregator, workers=workers)
+    if statistics is not None:  # released on the optimizer's step, by its aggregator
+        statistics.begin, statistics.release = private.begin, aggregator.release
+    return module, private, loader
+
+
+def _batch_norm_statistics(module, settings, distributed: bool, budget) -> PrivateStatistics:
+    """The model's BatchNorm layers with their statistics released privately (refused
+    where they cannot be yet)."""
+    if not isinstance(settings, BatchNormStatistics):
+        raise TypeError(f"batch_norm must be a dpcore_torch.BatchNormStatistics, got "
+                        f"{settings!r}")
+    if distributed:
+        raise ValueError("batch_norm statistics across processes (distributed=True) are not "
+                         "supported: each process would release its shard's statistics")
+    if budget is not None:
+        raise ValueError("batch_norm statistics under a privacy budget are not supported: "
+                         "the budget prices a step by the gradient's groups alone")
+    statistics = PrivateStatistics(settings, module)
+    if not statistics.layers:
+        raise ValueError(f"batch_norm={settings} was given, but {type(module).__name__} has no "
+                         f"BatchNorm layer")
+    return statistics
