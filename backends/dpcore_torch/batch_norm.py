@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -40,6 +41,7 @@ from dpcore import _validation as check
 from .fallback import replaying
 from .independence import rerunning
 from .instrumentation import instrumentation
+from .layers import Rule, _dtype, _record, cast_to
 
 
 @dataclass(frozen=True)
@@ -104,15 +106,19 @@ class PrivateStatistics:
                                 clip, z * clip),))
 
     def instrument(self) -> None:
-        """Give every BatchNorm layer the private forward (an instance attribute that copies
-        of the model leave out; the engine's ``detach`` removes it)."""
+        """Give every BatchNorm layer the private forward and its statistics (instance
+        attributes that copies of the model leave out; the engine's ``detach`` removes
+        them). A layer with a rule unit runs the rule's forward, which reads the same
+        statistics, while the engine records."""
         for name, layer in self.layers.items():
             layer.forward = self._forward(name, layer)
-            instrumentation(layer).added.add("forward")
+            layer._dpcore_statistics = partial(self._statistics, name, layer)
+            instrumentation(layer).added.update(("forward", "_dpcore_statistics"))
 
     def remove(self) -> None:
         for layer in self.layers.values():
             layer.__dict__.pop("forward", None)
+            layer.__dict__.pop("_dpcore_statistics", None)
 
     def forget(self) -> None:
         """Drop the step's released statistics (the step is abandoned)."""
@@ -184,3 +190,59 @@ class PrivateStatistics:
                 else layer.momentum)
         layer.running_mean.mul_(1 - rate).add_(mean, alpha=rate)
         layer.running_var.mul_(1 - rate).add_(var, alpha=rate)
+
+
+def _channels(t):
+    """(B, C, *) -> (B, C, L); (B, C) -> (B, C, 1)."""
+    return t.flatten(2) if t.dim() > 2 else t[:, :, None]
+
+
+class _ChannelAffine(torch.autograd.Function):
+    """``xh * weight + bias`` per channel (axis 1); the backward keeps the backprop g in the
+    Use and returns the input's gradient only."""
+
+    @staticmethod
+    def forward(ctx, use, xh, weight, bias):
+        ctx.use, ctx.dtype = use, use.x.dtype
+        ctx.shape = (1, -1) + (1,) * (xh.dim() - 2)
+        ctx.save_for_backward(weight)
+        out = xh * weight.view(ctx.shape) if weight is not None else xh.clone()
+        return out + bias.view(ctx.shape) if bias is not None else out
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.use.arrive(cast_to(g, ctx.dtype))
+        gx = None
+        if ctx.needs_input_grad[1]:
+            (weight,) = ctx.saved_tensors
+            gx = g * weight.view(ctx.shape) if weight is not None else g
+        return None, gx, None, None
+
+
+class BatchNormRule(Rule):
+    """A BatchNorm layer normalising with constants: its step's released statistics in
+    training mode (:class:`PrivateStatistics`), its running statistics in eval mode. Then
+    y_i = xh_i * w + b per channel with xh_i = (x_i - mean) / sqrt(var + eps) of example i
+    alone, and its per-example gradients are sum over positions of g_i xh_i (weight) and of
+    g_i (bias)."""
+
+    def forward(self, module, use_list, args, kwargs):
+        (x,) = args
+        if module.training:  # (the engine refuses a training BatchNorm without them)
+            mean, var = module._dpcore_statistics(x)
+        else:
+            module._check_input_dim(x)
+            mean, var = module.running_mean, module.running_var
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        xh = (x - mean.view(shape)) * torch.rsqrt(var + module.eps).view(shape)
+        return _ChannelAffine.apply(_record(use_list, xh, _dtype(module)), xh, module.weight,
+                                    module.bias)
+
+    def grad(self, module, use, name):
+        g = _channels(use.g)
+        return g.sum(-1) if name == "bias" else (g * _channels(use.x)).sum(-1)
+
+
+#: BatchNorm classes with the rule (eval mode, or training with private statistics).
+BATCH_NORM_RULES = {cls: BatchNormRule()
+                    for cls in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)}

@@ -4,7 +4,7 @@ pass yields per-example squared norms (B, L) and clipped sums for every trainabl
 Every trainable parameter (a *leaf*, named as in ``module.named_parameters()``) is owned by a
 *unit*: a layer with a rule (:mod:`dpcore_torch.layers`: Linear, Conv1d/2d, Embedding, LayerNorm,
 GroupNorm; :mod:`dpcore_torch.recurrent`: RNN, GRU, LSTM; :mod:`dpcore_torch.attention`:
-MultiheadAttention) or a fallback module
+MultiheadAttention; :mod:`dpcore_torch.batch_norm`: BatchNorm) or a fallback module
 (:mod:`dpcore_torch.fallback`, ``torch.func``, or for parameters used only by broadcasting
 operations, :mod:`dpcore_torch.taps`). A leaf used once
 takes its rule's cheapest norm (ghost or materialised) and book-keeping sum; a leaf used several
@@ -25,11 +25,11 @@ import torch
 from torch import nn
 
 from .attention import ATTENTION_RULES
-from .batch_norm import PrivateStatistics
+from .batch_norm import BATCH_NORM_RULES, PrivateStatistics
 from .draws import enter_opaque, leave_opaque, opaque
 from .fallback import FallbackUnit, recording
 from .independence import Probe, probing
-from .instrumentation import forget, instrumentation
+from .instrumentation import forget, instrumentation, set_by_dpcore
 from .layers import (PREFERENCES, RULES, AccumulationError, NotPerExampleError, Rule,
                      add_contraction, keep_rows, row_sq_norms, tick)
 from .recurrent import RECURRENT_RULES
@@ -202,10 +202,17 @@ class PerExampleEngine:
         self._summed: dict[str, torch.Tensor] = {}  # leaves used several times: sum of uses
         self._model_calls: list[tuple] = []  # the model's calls: (first, last tick, shapes)
         self._model_call = None  # the (first tick, shapes) of a call of the model running
-        if mode == "vmap":
-            self._add_fallback(module, recurse=True, prefix="")
-        else:
-            self._walk(module, "")
+        self.batch_norm = batch_norm
+        if batch_norm is not None:  # first: a BatchNorm's rule wraps its private forward
+            batch_norm.instrument()
+        try:
+            if mode == "vmap":
+                self._add_fallback(module, recurse=True, prefix="")
+            else:
+                self._walk(module, "")
+        except BaseException:
+            self.detach()  # the model as it was
+            raise
         self._probe = Probe(self.units, list(self.params.values()),
                             {id(m): n or "<root>" for n, m in module.named_modules()},
                             recording) if check_independence and mode == "auto" else None
@@ -232,9 +239,6 @@ class PerExampleEngine:
             if hooks:
                 instrumentation(sub).hooks.extend(hooks)
                 self._handles += hooks
-        self.batch_norm = batch_norm
-        if batch_norm is not None:
-            batch_norm.instrument()
         module._dpcore_engine = True
         instrumentation(module).added.add("_dpcore_engine")
 
@@ -242,9 +246,10 @@ class PerExampleEngine:
     def _walk(self, module: nn.Module, prefix: str) -> None:
         # a forward set on the instance (a user's or a library's patch) is not the layer's
         # own: the module takes the fallback, which runs whatever forward it has
-        rule = None if "forward" in module.__dict__ else (
+        patched = "forward" in module.__dict__ and not set_by_dpcore(module, "forward")
+        rule = None if patched else (
             RULES.get(type(module)) or RECURRENT_RULES.get(type(module))
-            or ATTENTION_RULES.get(type(module)))
+            or ATTENTION_RULES.get(type(module)) or BATCH_NORM_RULES.get(type(module)))
         # a rule with ``subtree`` (attention) also forms its children's parameters
         own = {k: p for k, p in module.named_parameters(recurse=rule is not None and rule.subtree)
                if p.requires_grad}

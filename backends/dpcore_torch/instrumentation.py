@@ -79,6 +79,12 @@ def instrumentation(module: nn.Module) -> Instrumentation:
     return record
 
 
+def set_by_dpcore(module: nn.Module, attr: str) -> bool:
+    """Whether instance attribute ``attr`` of ``module`` was set by dpcore."""
+    record = module.__dict__.get(_RECORD)
+    return record is not None and attr in record.added
+
+
 def forget(module: nn.Module) -> None:
     """Drop the record (once what it lists has been undone)."""
     for key in _OURS:

@@ -153,6 +153,32 @@ class Mixed(nn.Module):
         return (self.out(torch.tanh(h)).mean(1) + self.out(h[:, 0]).mul_(1.5)) / self.temperature
 
 
+class FrozenNorms(nn.Module):
+    """BatchNorm layers in eval mode (their running statistics), over positions and over
+    vectors, affine and not: the BatchNorm rule's per-example gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)  # on (B, 4, 5): 4 channels at 5 positions
+        self.fc = nn.Linear(5, 6)
+        self.norm2 = nn.BatchNorm1d(6)
+        self.plain = nn.BatchNorm1d(6, affine=False)
+        self.out = nn.Linear(6, 3)
+        gen = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for norm in (self.norm, self.norm2, self.plain):
+                norm.running_mean.normal_(0, 0.5, generator=gen)
+                norm.running_var.uniform_(0.5, 2.0, generator=gen)
+                if norm.affine:
+                    norm.weight.uniform_(0.5, 1.5, generator=gen)
+                    norm.bias.normal_(0, 0.3, generator=gen)
+        self.eval()
+
+    def forward(self, x):
+        h = self.fc(self.norm(x)).mean(1)  # (B, 6)
+        return self.out(self.plain(torch.tanh(self.norm2(h))))
+
+
 def batches(name, size, gen):
     if name in ("seq", "tokens"):
         vocab = 13 if name == "seq" else 11
@@ -172,7 +198,7 @@ def batches(name, size, gen):
 
 
 MODELS = {"seq": Seq, "image": Image, "one-channel": OneChannel, "shifted": Shifted,
-          "tokens": Tokens, "grid": Grid, "mixed": Mixed}
+          "tokens": Tokens, "grid": Grid, "mixed": Mixed, "frozen-norms": FrozenNorms}
 
 
 def oracle(model, x, y):
