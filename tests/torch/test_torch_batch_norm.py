@@ -237,3 +237,17 @@ def dpcore_torch_errors():
     from dpcore_torch import NotPerExampleError
 
     return NotPerExampleError
+
+
+def test_an_empty_sample_releases_noise_for_the_statistics_and_the_gradient():
+    model, opt, _ = private(convnet(), seed=0)
+    x, y = dataset()[:0]
+    opt.zero_grad()
+    out = model(x)
+    assert out.shape == (0, 3)
+    F.cross_entropy(out, y, reduction="sum").backward()
+    opt.step()
+    released = opt.engine.batch_norm.released
+    assert set(released) == {"1", "5"} and released["1"][0].abs().min() > 0  # pure noise
+    assert [type(e) for e in opt.ledger.events] == [SamplingEvent] + [SumQueryEvent] * 3
+    assert all(p.grad.abs().max() > 0 for p in model.parameters())
