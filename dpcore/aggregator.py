@@ -16,7 +16,7 @@ mechanism in force at the current step, and the ledger records it.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 from array_api_compat import array_namespace
@@ -56,12 +56,16 @@ class PrivateAggregator:
     With a ``budget`` (:class:`~dpcore.budget.PrivacyBudget`), a step that would exceed it is
     refused before anything of it is recorded: :meth:`begin_step` raises
     :class:`~dpcore.budget.BudgetExhaustedError` (Algorithm 1 of the momentum paper).
+    ``extra`` declares mechanisms that every step also releases (:meth:`release` with
+    ``mechanism=``: batch-norm statistics, a metric): the budget prices each step with
+    their groups, and under it each is released at most once a step.
     """
 
     def __init__(self, mechanism: Mechanism, *, n: int, q: float,
                  backend: str | Backend = "numpy", ledger: Ledger | PathLike | None = None,
                  seed: int | None = None, on_nonfinite: str = "raise", clipping=None,
-                 budget: PrivacyBudget | None = None, secure: bool = False):
+                 budget: PrivacyBudget | None = None, secure: bool = False,
+                 extra: Sequence[Mechanism] = ()):
         if not isinstance(mechanism, Mechanism):
             raise TypeError(f"mechanism must be a dpcore Mechanism, got {mechanism!r}")
         self.n = check.count("n", n)
@@ -98,6 +102,15 @@ class PrivateAggregator:
         self._policy = (FixedClipping(mechanism) if clipping is None
                         else clipping.bind(mechanism, self.expected_size))
         self.budget = budget
+        self.extra = tuple(extra)
+        for m in self.extra:
+            if not isinstance(m, Mechanism):
+                raise TypeError(f"extra must hold dpcore Mechanisms, got {m!r}")
+        names = [g.name for m in (mechanism, *self.extra) for g in m.groups]
+        if len(set(names)) < len(names):
+            raise ValueError(f"the extra mechanisms' group names must differ from each other "
+                             f"and from the aggregator's: {sorted(names)}")
+        self._extra_released: set[int] = set()  # under a budget: extra released this step
         self._mechanism = None
         self._last_release = -1  # the last step released
         self._enter(-1)
@@ -106,6 +119,7 @@ class PrivateAggregator:
         """Fix the mechanism of step ``step`` (-1: before the first), the groups it releases
         (with adaptive clipping's counts) and their ledger events."""
         self._step = step
+        self._extra_released = set()
         mechanism = self._policy.mechanism(max(step, 0))
         if mechanism is self._mechanism and not self._policy.count_groups:
             return  # fixed clipping: the same mechanism, groups and events as the last step
@@ -164,8 +178,10 @@ class PrivateAggregator:
         return self.q * self.n
 
     def next_noise_multiplier(self) -> float:
-        """z of Eq. (1) for the next step: its gradient groups and any count groups."""
-        groups = self._policy.mechanism(self._step + 1).groups + self._policy.count_groups
+        """z of Eq. (1) for the next step: its gradient groups, any count groups and the
+        extra mechanisms' groups."""
+        groups = (self._policy.mechanism(self._step + 1).groups + self._policy.count_groups
+                  + tuple(g for m in self.extra for g in m.groups))
         return effective_noise_multiplier(g.privacy_tuple for g in groups)
 
     def next_step_fits(self) -> bool:
@@ -320,7 +336,8 @@ class PrivateAggregator:
         sample, batch-norm statistics: groups, clips and noise of their own) on the current
         step's sample: their sum-query events join the step's, and the accountants price
         the step's queries together (Eq. (1)). Its group names must differ from the
-        aggregator's; not under a budget, which prices a step by the aggregator's groups."""
+        aggregator's; under a budget it must be one of the aggregator's ``extra``, released
+        once a step."""
         if mechanism is not None:
             return self._release_other(per_record, mechanism, mask)
         factors, sums = self._clipped_sum(per_record, self.mechanism, mask)
@@ -345,13 +362,18 @@ class PrivateAggregator:
         """:meth:`release` of another ``mechanism``'s groups on the current step."""
         if not isinstance(mechanism, Mechanism):
             raise TypeError(f"mechanism must be a dpcore Mechanism, got {mechanism!r}")
-        if self.budget is not None:
-            raise RuntimeError(
-                "a release of another mechanism under a privacy budget: the budget prices "
-                "each step by the aggregator's groups alone. Put the quantity in the "
-                "aggregator's mechanism, or release without a budget")
         if self._step < 0:
             raise RuntimeError("no sample to release from: call sample() or begin_step() first")
+        if self.budget is not None:
+            declared = next((k for k, m in enumerate(self.extra) if m == mechanism), None)
+            if declared is None:
+                raise RuntimeError(
+                    "a release of a mechanism the aggregator was not given as extra, under a "
+                    "privacy budget that prices each step by its declared groups: give it in "
+                    "PrivateAggregator(..., extra=[mechanism])")
+            if declared in self._extra_released:
+                raise RuntimeError(f"step {self._step} released this extra mechanism already, "
+                                   f"and the budget priced the step with it once")
         header = self.ledger.header
         if (mechanism.record, mechanism.microbatch_size) != (header.record,
                                                              header.microbatch_size):
@@ -365,6 +387,8 @@ class PrivateAggregator:
         _, sums = self._clipped_sum(per_record, mechanism, mask)
         self.ledger.record_sum_queries(
             [SumQueryEvent(g.name, g.clip, g.noise_std) for g in mechanism.groups])
+        if self.budget is not None:
+            self._extra_released.add(declared)
         self.rng, released = aggregation.noisy_average(
             sums, mechanism, self.rng, self.standard_normal, self.expected_size,
             xp=self.backend.namespace())

@@ -222,8 +222,44 @@ def test_another_mechanism_s_release_refuses_what_it_cannot_price():
         agg.release(bad, mechanism=METRIC)
     assert [type(e) for e in agg.ledger.events] == [SamplingEvent]
     budgeted = PrivateAggregator(MECHANISM, n=100, q=0.1, seed=0,
-                                 budget=PrivacyBudget(10.0, 1e-5))
+                                 budget=PrivacyBudget(0.5, 1e-5))
     budgeted.sample()
-    with pytest.raises(RuntimeError, match="under a privacy budget"):
+    with pytest.raises(RuntimeError, match="not given as extra, under a privacy budget"):
         budgeted.release(rows, mechanism=METRIC)
     assert [type(e) for e in budgeted.ledger.events] == [SamplingEvent]
+    with pytest.raises(ValueError, match="group names must differ"):
+        PrivateAggregator(MECHANISM, n=100, q=0.1, extra=[METRIC, METRIC])
+    with pytest.raises(TypeError, match="extra must hold dpcore Mechanisms"):
+        PrivateAggregator(MECHANISM, n=100, q=0.1, extra=["metric"])
+
+
+def test_a_budget_prices_the_declared_extra_mechanisms_with_each_step():
+    """Declared as extra, a metric's release is priced by the budget with the step (Eq. (1)
+    over all groups): the run stops where a ledger of such steps reaches the target, earlier
+    than without it; under the budget it is released once a step."""
+    from dpcore import PrivacyBudget, accounting
+
+    rows = {"correct": np.zeros((4, 2)), "loss": np.zeros((4, 1))}
+    z = (1 / 3.0 ** 2 + (0.5 / 2.0) ** 2 + (2.0 / 8.0) ** 2) ** -0.5
+    steps = {}
+    for extra in ((), (METRIC,)):
+        agg = PrivateAggregator(MECHANISM, n=100, q=0.1, seed=0, extra=extra,
+                                budget=PrivacyBudget(0.5, 1e-5))
+        if extra:
+            assert agg.next_noise_multiplier() == pytest.approx(z)
+        while agg.next_step_fits():
+            agg.sample()
+            agg.release(zeros(4))
+            if extra:
+                agg.release(rows, mechanism=METRIC)
+        steps[extra] = len(agg.ledger.steps()) and agg.ledger.steps()[0].count
+        assert accounting.epsilon(agg.ledger, 1e-5) <= 0.5
+    assert steps[(METRIC,)] < steps[()]
+    assert accounting.epsilon([(0.1, z, steps[(METRIC,)] + 1)], 1e-5) > 0.5  # the next
+    fresh = PrivateAggregator(MECHANISM, n=100, q=0.1, seed=0, extra=[METRIC],
+                              budget=PrivacyBudget(0.5, 1e-5))
+    fresh.sample()
+    fresh.release(rows, mechanism=METRIC)
+    with pytest.raises(RuntimeError, match="released this extra mechanism already"):
+        fresh.release(rows, mechanism=METRIC)
+    assert len(fresh.ledger.events) == 2

@@ -105,6 +105,11 @@ class PrivateStatistics:
         return Mechanism((Group(f"{name}.statistics", (f"{name}.mean", f"{name}.square"),
                                 clip, z * clip),))
 
+    def mechanisms(self) -> tuple[Mechanism, ...]:
+        """Every layer's, in the model's order: what each step releases besides the
+        gradient (the aggregator's ``extra``, which a budget prices)."""
+        return tuple(self.mechanism(name) for name in self.layers)
+
     def instrument(self) -> None:
         """Give every BatchNorm layer the private forward and its statistics (instance
         attributes that copies of the model leave out; the engine's ``detach`` removes

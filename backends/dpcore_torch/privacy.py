@@ -114,13 +114,14 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     ``batch_norm`` (a :class:`~dpcore_torch.batch_norm.BatchNormStatistics`) trains the
     model's BatchNorm layers with their batch statistics released privately at each step's
     forward pass (:mod:`dpcore_torch.batch_norm`); the step's noise multiplier (given or
-    calibrated) then covers those releases too. Not with ``distributed`` or a ``budget``.
+    calibrated) then covers those releases too, and so does a ``budget`` (its step begins,
+    and may be refused, at the forward pass). Not with ``distributed``.
     """
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch DataLoader, got {data_loader!r}")
     statistics = None
     if batch_norm is not None:
-        statistics = _batch_norm_statistics(module, batch_norm, distributed, budget)
+        statistics = _batch_norm_statistics(module, batch_norm, distributed)
     if isinstance(module, nn.parallel.DistributedDataParallel):
         raise TypeError("make_private takes the model itself, not a DistributedDataParallel "
                         "(which would add up the unclipped gradients): pass model.module "
@@ -158,7 +159,8 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
             return PrivateAggregator(
                 mechanism, n=n, q=q, backend="torch", ledger=ledger, seed=seed,
                 clipping=QuantileClipping() if clip_policy == "adaptive" else clip_policy,
-                budget=budget, on_nonfinite=on_nonfinite, secure=secure)
+                budget=budget, on_nonfinite=on_nonfinite, secure=secure,
+                extra=() if statistics is None else statistics.mechanisms())
 
         if workers is None:
             aggregator = build()
@@ -178,7 +180,7 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     return module, private, loader
 
 
-def _batch_norm_statistics(module, settings, distributed: bool, budget) -> PrivateStatistics:
+def _batch_norm_statistics(module, settings, distributed: bool) -> PrivateStatistics:
     """The model's BatchNorm layers with their statistics released privately (refused
     where they cannot be yet)."""
     if not isinstance(settings, BatchNormStatistics):
@@ -187,9 +189,6 @@ def _batch_norm_statistics(module, settings, distributed: bool, budget) -> Priva
     if distributed:
         raise ValueError("batch_norm statistics across processes (distributed=True) are not "
                          "supported: each process would release its shard's statistics")
-    if budget is not None:
-        raise ValueError("batch_norm statistics under a privacy budget are not supported: "
-                         "the budget prices a step by the gradient's groups alone")
     statistics = PrivateStatistics(settings, module)
     if not statistics.layers:
         raise ValueError(f"batch_norm={settings} was given, but {type(module).__name__} has no "

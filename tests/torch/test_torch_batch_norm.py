@@ -210,7 +210,6 @@ def test_what_cannot_be_priced_or_bound_is_refused():
 
     for options, error, match in [
             ({"distributed": True}, ValueError, "across processes"),
-            ({"budget": dpcore.PrivacyBudget(5.0, 1e-5)}, ValueError, "privacy budget"),
             ({"noise_multiplier": 2.0}, ValueError, r"raise the statistics' noise_multiplier "
                                                     r"above 2\.828"),
     ]:
@@ -251,3 +250,27 @@ def test_an_empty_sample_releases_noise_for_the_statistics_and_the_gradient():
     assert set(released) == {"1", "5"} and released["1"][0].abs().min() > 0  # pure noise
     assert [type(e) for e in opt.ledger.events] == [SamplingEvent] + [SumQueryEvent] * 3
     assert all(p.grad.abs().max() > 0 for p in model.parameters())
+
+
+def test_a_budget_prices_the_statistics_and_stops_at_the_forward_pass():
+    """Under a budget the step begins at the forward pass, so the step that would exceed it
+    is refused there (BudgetExhaustedError, nothing recorded); the steps taken, statistics
+    included, stay within the target."""
+    model, opt, loader = private(convnet(), BatchNormStatistics(3.0, 2.0), seed=0,
+                                 budget=dpcore.PrivacyBudget(6.0, 1e-5, accountant="rdp"))
+    assert opt.aggregator.next_noise_multiplier() == pytest.approx(1.0)  # the step's total
+    taken = 0
+    with pytest.raises(dpcore.BudgetExhaustedError):
+        while True:
+            for x, y in loader:
+                opt.zero_grad()
+                out = model(x)
+                F.cross_entropy(out, y).backward()
+                opt.step()
+                taken += 1
+    events = opt.ledger.events
+    assert isinstance(events[-1], SumQueryEvent) and events[-1].group == "all"
+    assert opt.ledger.steps()[0].count == taken and taken > 3
+    rdp = {"accountant": "rdp"}
+    assert opt.epsilon(1e-5, **rdp) <= 6.0 < dpcore.accounting.epsilon(
+        [(1 / 3, 1.0, taken + 1)], 1e-5, **rdp)
