@@ -328,7 +328,7 @@ class PrivateAggregator:
         self._policy.observe(released)
 
     def release(self, per_record: Mapping[str, object], *, mask=None,
-                mechanism: Mechanism | None = None) -> dict:
+                mechanism: Mechanism | None = None, noise: bool = True) -> dict:
         """The private average of ``per_record`` (leaf -> (B, *shape)), rows = the sample's
         records; ``mask`` (B,) marks real rows of a padded batch.
 
@@ -337,9 +337,13 @@ class PrivateAggregator:
         step's sample: their sum-query events join the step's, and the accountants price
         the step's queries together (Eq. (1)). Its group names must differ from the
         aggregator's; under a budget it must be one of the aggregator's ``extra``, released
-        once a step."""
+        once a step. ``noise=False`` (with ``mechanism``) adds no noise, for a process whose
+        release goes into a sum with that of one that draws it (not private on its own)."""
         if mechanism is not None:
-            return self._release_other(per_record, mechanism, mask)
+            return self._release_other(per_record, mechanism, mask, noise)
+        if not noise:
+            raise ValueError("noise=False serves the releases of other mechanisms; for the "
+                             "aggregator's own, use noise_draws(like, noise=False)")
         factors, sums = self._clipped_sum(per_record, self.mechanism, mask)
         return self.release_sums(sums, factors=factors, mask=mask)
 
@@ -358,7 +362,7 @@ class PrivateAggregator:
         return factors, aggregation.clipped_sum(per_record, factors, mechanism, leaves,
                                                 zero_rows=zero_rows)
 
-    def _release_other(self, per_record, mechanism: Mechanism, mask) -> dict:
+    def _release_other(self, per_record, mechanism: Mechanism, mask, noise: bool) -> dict:
         """:meth:`release` of another ``mechanism``'s groups on the current step."""
         if not isinstance(mechanism, Mechanism):
             raise TypeError(f"mechanism must be a dpcore Mechanism, got {mechanism!r}")
@@ -389,6 +393,8 @@ class PrivateAggregator:
             [SumQueryEvent(g.name, g.clip, g.noise_std) for g in mechanism.groups])
         if self.budget is not None:
             self._extra_released.add(declared)
+        if not noise:
+            return {leaf: total / self.expected_size for leaf, total in sums.items()}
         self.rng, released = aggregation.noisy_average(
             sums, mechanism, self.rng, self.standard_normal, self.expected_size,
             xp=self.backend.namespace())

@@ -177,6 +177,14 @@ def test_another_mechanism_released_on_the_step_is_priced_with_it(tmp_path):
     expected = (factors[:, None] * joined).sum(0) / quiet.expected_size
     np.testing.assert_allclose(np.concatenate([out["correct"], out["loss"]]), expected,
                                rtol=1e-12)
+    # noise=False (a share that another process's noisy share joins): the noisy mechanism,
+    # no noise, the events of the noisy one
+    out = quiet.release(rows, mechanism=METRIC, noise=False)
+    np.testing.assert_allclose(np.concatenate([out["correct"], out["loss"]]), expected,
+                               rtol=1e-12)
+    assert quiet.ledger.events[-1] == SumQueryEvent("metric", 2.0, 8.0)
+    with pytest.raises(ValueError, match="noise_draws"):
+        quiet.release(rows, noise=False)
 
     path = tmp_path / "run.jsonl"
     agg = PrivateAggregator(MECHANISM, n=1000, q=0.02, ledger=path, seed=3)

@@ -139,6 +139,20 @@ class Workers:
                              f"make_private with the same arguments in every process and "
                              f"take the same steps; nothing was released")
 
+    def release_extra(self, aggregator, per_record: Mapping[str, torch.Tensor],
+                      mechanism) -> dict[str, torch.Tensor]:
+        """``aggregator.release(per_record, mechanism=mechanism)`` of the step's union:
+        each process releases its share's clipped sums over q n (process 0 with the noise)
+        and the results are added up; a release failing in one raises in all."""
+        error = released = None
+        try:
+            released = aggregator.release(per_record, mechanism=mechanism,
+                                          noise=self.draws_noise)
+        except BaseException as raised:
+            error = raised
+        like = {leaf: v.new_zeros(v.shape[1:]) for leaf, v in per_record.items()}
+        return self.sum_(released, like, error)
+
     @torch.no_grad()
     def sum_(self, tensors: Mapping[str, torch.Tensor] | None, like: Mapping[str, torch.Tensor],
              error: BaseException | None = None) -> dict[str, torch.Tensor]:

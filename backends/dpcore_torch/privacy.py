@@ -12,6 +12,7 @@ sampling at rate q = batch_size / n with the same dataset and collate function. 
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Mapping
 
 import torch
@@ -115,13 +116,14 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     model's BatchNorm layers with their batch statistics released privately at each step's
     forward pass (:mod:`dpcore_torch.batch_norm`); the step's noise multiplier (given or
     calibrated) then covers those releases too, and so does a ``budget`` (its step begins,
-    and may be refused, at the forward pass). Not with ``distributed``.
+    and may be refused, at the forward pass); with ``distributed``, every process's share
+    is summed, process 0 drawing the noise.
     """
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch DataLoader, got {data_loader!r}")
     statistics = None
     if batch_norm is not None:
-        statistics = _batch_norm_statistics(module, batch_norm, distributed)
+        statistics = _batch_norm_statistics(module, batch_norm)
     if isinstance(module, nn.parallel.DistributedDataParallel):
         raise TypeError("make_private takes the model itself, not a DistributedDataParallel "
                         "(which would add up the unclipped gradients): pass model.module "
@@ -176,19 +178,17 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
         num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory)
     private = PrivateOptimizer(optimizer, engine, aggregator, workers=workers)
     if statistics is not None:  # released on the optimizer's step, by its aggregator
-        statistics.begin, statistics.release = private.begin, aggregator.release
+        statistics.begin = private.begin
+        statistics.release = (aggregator.release if workers is None else
+                              partial(workers.release_extra, aggregator))
     return module, private, loader
 
 
-def _batch_norm_statistics(module, settings, distributed: bool) -> PrivateStatistics:
-    """The model's BatchNorm layers with their statistics released privately (refused
-    where they cannot be yet)."""
+def _batch_norm_statistics(module, settings) -> PrivateStatistics:
+    """The model's BatchNorm layers, their statistics to be released privately."""
     if not isinstance(settings, BatchNormStatistics):
         raise TypeError(f"batch_norm must be a dpcore_torch.BatchNormStatistics, got "
                         f"{settings!r}")
-    if distributed:
-        raise ValueError("batch_norm statistics across processes (distributed=True) are not "
-                         "supported: each process would release its shard's statistics")
     statistics = PrivateStatistics(settings, module)
     if not statistics.layers:
         raise ValueError(f"batch_norm={settings} was given, but {type(module).__name__} has no "

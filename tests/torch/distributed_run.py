@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpcore
-from dpcore_torch import make_private
+from dpcore_torch import BatchNormStatistics, make_private
 
 N, BATCH, STEPS = 40, 4, 5  # q = 2 * 4 / 40
 
@@ -79,6 +79,27 @@ def adaptive(batch_size: int, **options) -> dict:
         clips.append([g.clip for g in opt.aggregator.mechanism.groups])
     return {"clips": clips, "events": list(opt.ledger.events),
             "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def batch_norm(batch_size: int, **options) -> dict:
+    """An MLP with a BatchNorm1d whose statistics are released privately, trained with seed
+    5: each step's released statistics, the ledger's events, the trained weights and the
+    running statistics."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3))
+    model, opt, loader = make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.5),
+        DataLoader(data(), batch_size=batch_size), noise_multiplier=0.7, max_grad_norm=0.3,
+        seed=5, batch_norm=BatchNormStatistics(2.0, 3.0), **options)
+    released = []
+    for x, y, _ in loader:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        released.append(opt.engine.batch_norm.released["1"])
+        opt.step()
+    return {"released": released, "events": list(opt.ledger.events),
+            "params": [p.detach().clone() for p in model.parameters()],
+            "buffers": [b.clone() for b in model.buffers()]}
 
 
 def noise(out: Path, rank: int, secure: bool) -> dict:
@@ -223,6 +244,7 @@ def main(out: str) -> None:
     rank = dist.get_rank()
     results = {"world": dist.get_world_size(), "same_seed": same_seed(out, rank),
                "adaptive": adaptive(BATCH, distributed=True),
+               "batch_norm": batch_norm(BATCH, distributed=True),
                "noise": noise(out, rank, secure=False),
                "secure_noise": noise(out, rank, secure=True),
                "nan_record": nan_record(out, rank), "other_clip": other_clip(out, rank),

@@ -69,6 +69,24 @@ def test_the_shards_make_the_one_process_sample_and_the_steps_its_release(ranks)
     assert results[0]["same_seed"]["events"] == list(opt.ledger.events)
 
 
+def test_batch_norm_statistics_are_released_once_from_every_processs_records(ranks):
+    """Each process releases its share's clipped statistics (process 0 with the noise) and
+    the shares are added up: the released statistics, the ledger, the weights and the
+    running statistics are the one-process run's with the same seed."""
+    _, results = ranks
+    one = run.batch_norm(2 * run.BATCH)
+    for rank in results:
+        got = rank["batch_norm"]
+        assert len(got["released"]) == len(one["released"]) == run.STEPS
+        for (mean, var), (want_mean, want_var) in zip(got["released"], one["released"]):
+            torch.testing.assert_close(mean, want_mean, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(var, want_var, rtol=1e-5, atol=1e-6)
+        assert got["events"] == one["events"]
+        for p, want in zip(got["params"] + got["buffers"], one["params"] + one["buffers"],
+                           strict=True):
+            torch.testing.assert_close(p, want, rtol=1e-5, atol=1e-6)
+
+
 def test_adaptive_clipping_counts_every_processs_records_once(ranks):
     """Adaptive clipping across the two processes moves the clip as the one-process run
     with the same seed does (the counts of the union, one count noise draw, process 0's) and
