@@ -116,8 +116,10 @@ class PrivateStatistics:
         them). A layer with a rule unit runs the rule's forward, which reads the same
         statistics, while the engine records."""
         for name, layer in self.layers.items():
-            layer.forward = self._forward(name, layer)
-            layer._dpcore_statistics = partial(self._statistics, name, layer)
+            # the release runs on the host, outside any graph a compiled model traces
+            statistics = torch.compiler.disable(partial(self._statistics, name, layer))
+            layer.forward = self._forward(layer, statistics)
+            layer._dpcore_statistics = statistics
             instrumentation(layer).added.update(("forward", "_dpcore_statistics"))
 
     def remove(self) -> None:
@@ -129,13 +131,14 @@ class PrivateStatistics:
         """Drop the step's released statistics (the step is abandoned)."""
         self._step, self._released = None, {}
 
-    def _forward(self, name: str, layer):
+    @staticmethod
+    def _forward(layer, statistics):
         original = layer.forward
 
         def forward(x):
             if not layer.training:
                 return original(x)
-            mean, var = self._statistics(name, layer, x)
+            mean, var = statistics(x)
             return F.batch_norm(x, mean, var, layer.weight, layer.bias, False, 0.0, layer.eps)
 
         return forward

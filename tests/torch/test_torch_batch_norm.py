@@ -269,3 +269,36 @@ def test_a_budget_prices_the_statistics_and_stops_at_the_forward_pass():
     rdp = {"accountant": "rdp"}
     assert opt.epsilon(1e-5, **rdp) <= 6.0 < dpcore.accounting.epsilon(
         [(1 / 3, 1.0, taken + 1)], 1e-5, **rdp)
+
+
+@pytest.mark.parametrize("compile_first", [True, False])
+def test_a_compiled_model_releases_the_same_statistics_and_steps(compile_first):
+    """torch.compile (dynamo, the eager backend) before or after make_private: the release
+    runs outside the traced graph, and three steps give the uncompiled model's statistics,
+    ledger and parameters."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    runs = []
+    for compiled in (False, True):
+        model = convnet()
+        if compiled and compile_first:
+            model = torch.compile(model, backend="eager")
+        model, opt, _ = private(model, seed=0)
+        if compiled and not compile_first:
+            model = torch.compile(model, backend="eager")
+        x, y = dataset()[:19]
+        released = []
+        for _ in range(3):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            (first,) = [v for k, v in opt.engine.batch_norm.released.items()
+                        if k.endswith("1")]  # "_orig_mod.1" inside a compiled wrapper
+            released.append(first[1])
+            opt.step()
+        events = [repr(e).replace("_orig_mod.", "") for e in opt.ledger.events]
+        runs.append((released, events, [p.detach().clone() for p in model.parameters()]))
+    (eager, events, weights), (compiled, compiled_events, compiled_weights) = runs
+    assert compiled_events == events
+    for a, b in zip(eager + weights, compiled + compiled_weights, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
