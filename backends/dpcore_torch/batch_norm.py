@@ -127,10 +127,6 @@ class PrivateStatistics:
             layer.__dict__.pop("forward", None)
             layer.__dict__.pop("_dpcore_statistics", None)
 
-    def forget(self) -> None:
-        """Drop the step's released statistics (the step is abandoned)."""
-        self._step, self._released = None, {}
-
     @staticmethod
     def _forward(layer, statistics):
         original = layer.forward
@@ -166,8 +162,7 @@ class PrivateStatistics:
                     f"BatchNorm {name!r} ran twice in training mode in one step (a second "
                     f"forward pass, a layer called twice, or activation checkpointing): its "
                     f"statistics are released once per step, from the step's one Poisson "
-                    f"sample. Call optimizer.step() (or zero_grad(), which abandons the step) "
-                    f"before the next batch")
+                    f"sample. Call optimizer.step() before the next batch's forward pass")
             layer._check_input_dim(x)
             with torch._C.DisableTorchFunction():  # a fallback's recording does not see
                 mean, var = self._release(name, x)  # the release's noise and sums
