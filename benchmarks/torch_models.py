@@ -158,16 +158,21 @@ class LSTMClassifier(nn.Module):
         return self.head(h_n[-1])
 
 
-def cifar_cnn() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
-                         nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Flatten(), nn.Linear(64 * 8 * 8, 10))
+def cifar_cnn(norm=None) -> nn.Module:
+    """Three 3x3 convolutions (32, 32, 64 channels), each followed by ``norm(channels)``
+    if given (BatchNorm2d: "cifar-bn"), and a linear head."""
+    def conv(c_in, c_out):
+        layers = [nn.Conv2d(c_in, c_out, 3, padding=1)]
+        return layers + ([norm(c_out)] if norm is not None else []) + [nn.ReLU()]
+
+    return nn.Sequential(*conv(3, 32), *conv(32, 32), nn.MaxPool2d(2), *conv(32, 64),
+                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64 * 8 * 8, 10))
 
 
 def workload(name: str, seed: int = 0, *, replayed: bool = False):
     """(model, inputs, targets) of one of "cnn", "mlp", "transformer", "encoder", "lstm",
-    "cifar", "vit", "gpt2" (``replayed``: its Conv1D under a class dpcore does not know)."""
+    "cifar", "cifar-bn", "vit", "gpt2" (``replayed``: its Conv1D under a class dpcore does
+    not know)."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     if name == "cnn":
@@ -185,9 +190,9 @@ def workload(name: str, seed: int = 0, *, replayed: bool = False):
     if name == "lstm":
         return LSTMClassifier(), torch.randint(0, 2_000, (64, 32), generator=gen), \
             torch.randint(0, 2, (64,), generator=gen)
-    if name == "cifar":
-        return cifar_cnn(), torch.randn(64, 3, 32, 32, generator=gen), \
-            torch.randint(0, 10, (64,), generator=gen)
+    if name in ("cifar", "cifar-bn"):
+        return cifar_cnn(nn.BatchNorm2d if name == "cifar-bn" else None), \
+            torch.randn(64, 3, 32, 32, generator=gen), torch.randint(0, 10, (64,), generator=gen)
     if name == "vit":
         return ViT(), torch.randn(32, 3, 32, 32, generator=gen), \
             torch.randint(0, 10, (32,), generator=gen)
@@ -195,5 +200,5 @@ def workload(name: str, seed: int = 0, *, replayed: bool = False):
         return Encoder(linear=_replayed_conv1d if replayed else _conv1d, causal=True), \
             torch.randint(0, 10_000, (32, 64), generator=gen), \
             torch.randint(0, 2, (32,), generator=gen)
-    raise ValueError(f"workload must be cnn, mlp, transformer, encoder, lstm, cifar, vit or "
-                     f"gpt2, got {name!r}")
+    raise ValueError(f"workload must be cnn, mlp, transformer, encoder, lstm, cifar, cifar-bn, "
+                     f"vit or gpt2, got {name!r}")

@@ -8,10 +8,13 @@ Opacus (hooks, ghost, functorch), on the workloads of :mod:`torch_models`.
     python benchmarks/torch_step.py --workloads encoder vit --seconds 40
     python benchmarks/torch_step.py --workloads gpt2 --modes non-private dpcore dpcore-replay \
         dpcore-vmap opacus-hooks opacus-ghost opacus-functorch --seconds 40
+    python benchmarks/torch_step.py --workloads cifar cifar-bn --modes non-private dpcore \
+        --seconds 20                                # BatchNorm: private statistics
 
 A *step* is zero_grad, forward, cross-entropy (mean), backward and optimizer.step (SGD) on a
 fixed batch, so every mode does the same work (the DP modes: flat clipping at 1.0, noise
-multiplier 1.0, q n = B).
+multiplier 1.0, q n = B; dpcore releases a BatchNorm's statistics privately, clip 8 and
+multiplier 8, where the non-private step uses the batch's).
 
 Time: all modes of a workload live in one process and are timed round-robin, so drift of the
 machine hits them alike: each round runs a *block* of ``--block`` consecutive steps of each mode
@@ -59,7 +62,7 @@ MODES = ("non-private", "dpcore", "dpcore-vmap", "opacus-hooks", "opacus-ghost",
          "opacus-functorch")
 EXTRA_MODES = ("dpcore-replay",)  # gpt2: its Conv1D left to the per-layer replay
 WORKLOADS = ("cnn", "mlp", "transformer")  # issue 4's
-EXTRA_WORKLOADS = ("encoder", "lstm", "cifar", "vit", "gpt2")  # on request
+EXTRA_WORKLOADS = ("encoder", "lstm", "cifar", "cifar-bn", "vit", "gpt2")  # on request
 
 
 def build(name: str, mode: str):
@@ -71,13 +74,14 @@ def build(name: str, mode: str):
     criterion = torch.nn.CrossEntropyLoss()
     loader = DataLoader(TensorDataset(x, y), batch_size=len(x))  # q n = B
     if mode.startswith("dpcore"):
-        from dpcore_torch import make_private, register_linear
+        from dpcore_torch import BatchNormStatistics, make_private, register_linear
 
         register_linear(Conv1D, transposed=True)  # gpt2's projections (dpcore-replay: a
         # subclass, not registered)
-
+        norms = any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
         model, opt, _ = make_private(model, opt, loader, noise_multiplier=1.0, max_grad_norm=1.0,
-                                     mode="vmap" if mode == "dpcore-vmap" else "auto", seed=0)
+                                     mode="vmap" if mode == "dpcore-vmap" else "auto", seed=0,
+                                     batch_norm=BatchNormStatistics(8.0, 8.0) if norms else None)
     elif mode.startswith("opacus"):
         from opacus import PrivacyEngine
 

@@ -174,10 +174,10 @@ class PrivateStatistics:
     @torch.no_grad()
     def _release(self, name: str, x):
         """The released mean and variance per channel, in the layer's parameters' dtype."""
-        rows = x.detach().flatten(2) if x.dim() > 2 else x.detach()[:, :, None]
+        rows = _channels(x.detach())
         rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
-        released = self.release({f"{name}.mean": rows.mean(2),
-                                 f"{name}.square": rows.square().mean(2)},
+        squares = torch.linalg.vector_norm(rows, dim=2).square_().div_(rows.shape[2])
+        released = self.release({f"{name}.mean": rows.mean(2), f"{name}.square": squares},
                                 mechanism=self.mechanism(name))
         mean, square = released[f"{name}.mean"], released[f"{name}.square"]
         var = (square - mean.square()).clamp_(min=0)
@@ -200,26 +200,34 @@ def _channels(t):
     return t.flatten(2) if t.dim() > 2 else t[:, :, None]
 
 
-class _ChannelAffine(torch.autograd.Function):
-    """``xh * weight + bias`` per channel (axis 1); the backward keeps the backprop g in the
-    Use and returns the input's gradient only."""
+@dataclass(frozen=True)
+class _Constants:
+    """A call's per-channel mean and 1 / sqrt(var + eps): not per-example rows (a Use's
+    tuple aux is, and is zeroed row by row for dropped records)."""
+
+    mean: torch.Tensor
+    rstd: torch.Tensor
+
+
+class _Normalised(torch.autograd.Function):
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` per channel (axis 1), mean and var
+    constants; the backward keeps the backprop g in the Use (x and (mean, rstd) are kept by
+    the forward) and returns the input's gradient only."""
 
     @staticmethod
-    def forward(ctx, use, xh, weight, bias):
+    def forward(ctx, use, x, weight, bias, mean, var, eps):
+        rstd = torch.rsqrt(var + eps)
+        use.aux = _Constants(mean, rstd)
         ctx.use, ctx.dtype = use, use.x.dtype
-        ctx.shape = (1, -1) + (1,) * (xh.dim() - 2)
-        ctx.save_for_backward(weight)
-        out = xh * weight.view(ctx.shape) if weight is not None else xh.clone()
-        return out + bias.view(ctx.shape) if bias is not None else out
+        ctx.scale = (rstd if weight is None else rstd * weight).view(
+            (1, -1) + (1,) * (x.dim() - 2))
+        return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
 
     @staticmethod
     def backward(ctx, g):
         ctx.use.arrive(cast_to(g, ctx.dtype))
-        gx = None
-        if ctx.needs_input_grad[1]:
-            (weight,) = ctx.saved_tensors
-            gx = g * weight.view(ctx.shape) if weight is not None else g
-        return None, gx, None, None
+        gx = g * ctx.scale if ctx.needs_input_grad[1] else None
+        return None, gx, None, None, None, None, None
 
 
 class BatchNormRule(Rule):
@@ -236,14 +244,15 @@ class BatchNormRule(Rule):
         else:
             module._check_input_dim(x)
             mean, var = module.running_mean, module.running_var
-        shape = (1, -1) + (1,) * (x.dim() - 2)
-        xh = (x - mean.view(shape)) * torch.rsqrt(var + module.eps).view(shape)
-        return _ChannelAffine.apply(_record(use_list, xh, _dtype(module)), xh, module.weight,
-                                    module.bias)
+        return _Normalised.apply(_record(use_list, x, _dtype(module)), x, module.weight,
+                                 module.bias, mean, var, module.eps)
 
     def grad(self, module, use, name):
         g = _channels(use.g)
-        return g.sum(-1) if name == "bias" else (g * _channels(use.x)).sum(-1)
+        if name == "bias":
+            return g.sum(-1)
+        centred = torch.sub(_channels(use.x), use.aux.mean[:, None])
+        return centred.mul_(g).sum(-1).mul_(use.aux.rstd)
 
 
 #: BatchNorm classes with the rule (eval mode, or training with private statistics).
