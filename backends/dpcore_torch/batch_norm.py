@@ -49,9 +49,9 @@ class BatchNormStatistics:
     """How BatchNorm layers release their statistics: each record's per-channel (mean, mean
     square) clipped to ``clip`` (a bound on the layer's inputs' scale: for C channels of
     unit scale ||(m_i, s_i)|| is about sqrt(C), or sqrt(2 C) with unit means too), noise of
-    std ``noise_multiplier * clip`` on the sums. The statistics are C-dimensional averages over the q n expected records,
-    so a large multiplier costs the gradient little: each layer adds 1 / z_bn^2 to the
-    step's 1 / z^2."""
+    std ``noise_multiplier * clip`` on the sums. The statistics are C-dimensional averages
+    over the q n expected records, so a large multiplier costs the gradient little: each
+    layer adds 1 / z_bn^2 to the step's 1 / z^2."""
 
     clip: float
     noise_multiplier: float

@@ -28,7 +28,7 @@ from .attention import ATTENTION_RULES
 from .batch_norm import BATCH_NORM_RULES, PrivateStatistics
 from .draws import enter_opaque, leave_opaque, opaque
 from .fallback import FallbackUnit, recording
-from .independence import Probe, probing
+from .independence import Probe, probing, rerunning
 from .instrumentation import forget, instrumentation, set_by_dpcore
 from .layers import (PREFERENCES, RULES, AccumulationError, NotPerExampleError, Rule,
                      add_contraction, keep_rows, row_sq_norms, tick)
@@ -202,6 +202,7 @@ class PerExampleEngine:
         self._summed: dict[str, torch.Tensor] = {}  # leaves used several times: sum of uses
         self._model_calls: list[tuple] = []  # the model's calls: (first, last tick, shapes)
         self._model_call = None  # the (first tick, shapes) of a call of the model running
+        self.batches = 0  # training forward passes of the model so far
         self.batch_norm = batch_norm
         if batch_norm is not None:  # first: a BatchNorm's rule wraps its private forward
             batch_norm.instrument()
@@ -226,6 +227,9 @@ class PerExampleEngine:
             if isinstance(sub, nn.MultiheadAttention):  # its code transposes the batch axis
                 hooks += [sub.register_forward_pre_hook(enter_opaque, with_kwargs=True),
                           sub.register_forward_hook(leave_opaque, with_kwargs=True)]
+            if sub is module:  # the training batches that enter the model
+                hooks.append(sub.register_forward_pre_hook(
+                    torch.compiler.disable(self._count_batch)))
             if sub is module and self._probe is not None:
                 hooks += [  # not traced into a compiled model's call
                     sub.register_forward_pre_hook(torch.compiler.disable(self._probe.start),
@@ -275,6 +279,12 @@ class PerExampleEngine:
                  for k, p in module.named_parameters(recurse=recurse) if p.requires_grad}
         if names:
             self.units.append(FallbackUnit(module, names, recurse))
+
+    def _count_batch(self, module, args) -> None:
+        """Root forward pre-hook: count the training passes of the user's batches (not the
+        check's reruns, nor replays, nor passes without gradients)."""
+        if module.training and recording() and not rerunning():
+            self.batches += 1
 
     def _model_called(self, module, args, kwargs) -> None:
         """Root forward pre-hook: what the model's input says of its examples

@@ -37,6 +37,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self.aggregator, self.workers = aggregator, workers
         self._pending = None  # (noise draws, clip factors) of a step being accumulated
         self._failed = None  # what made a micro-batch of that step fail (across processes)
+        self._stepped_at = 0  # the engine's batch count at the last step released
 
     def __reduce_ex__(self, protocol):
         """Refused (:meth:`PerExampleEngine.__reduce_ex__`): torch's optimizers copy and pickle
@@ -172,8 +173,24 @@ class PrivateOptimizer(torch.optim.Optimizer):
             grads = self._release_across(draws, factors)
         for name, p in self.engine.params.items():  # a parameter frozen since: not updated
             p.grad = grads[name] if p.requires_grad else None
+        self._stepped_at = self.engine.batches
         self.original_optimizer.step()
         return loss
+
+    def release(self, values, mechanism) -> dict:
+        """The private average of a metric of the batch last passed forward: ``values``
+        {name: (B, ...) tensor}, rows as the batch's records, clipped and noised by
+        ``mechanism`` (groups, clips and noise of its own) as a query of that batch's step,
+        priced with it. Before :meth:`step` it begins the batch's step; after it, it lands
+        on the step just taken. Under a budget the mechanism must be declared
+        (``make_private(..., metrics=[mechanism])``); across processes every process calls
+        it with its share, and the shares are added up (process 0 draws the noise)."""
+        if self._pending is None and self.engine.batches != self._stepped_at:
+            self.begin()  # a batch since the last step: its step begins here
+        with torch.no_grad():
+            if self.workers is None:
+                return self.aggregator.release(values, mechanism=mechanism)
+            return self.workers.release_extra(self.aggregator, values, mechanism)
 
     def _release_across(self, draws, factors) -> dict:
         """The release summed over the processes; a release (its ledger write) failing in one

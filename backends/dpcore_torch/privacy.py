@@ -72,7 +72,7 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
                  prefer: str = "memory", accountant: str = "pld", clip_policy=None,
                  budget=None, on_nonfinite: str = "raise", check_independence: bool = True,
                  secure: bool = False, distributed: bool = False,
-                 batch_norm: BatchNormStatistics | None = None):
+                 batch_norm: BatchNormStatistics | None = None, metrics=()):
     """Private (module, optimizer, data_loader).
 
     Give ``noise_multiplier`` z, or ``target_epsilon`` with ``target_delta`` and ``epochs`` to
@@ -117,7 +117,8 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     forward pass (:mod:`dpcore_torch.batch_norm`); the step's noise multiplier (given or
     calibrated) then covers those releases too, and so does a ``budget`` (its step begins,
     and may be refused, at the forward pass); with ``distributed``, every process's share
-    is summed, process 0 drawing the noise.
+    is summed, process 0 drawing the noise. ``metrics`` declares the mechanisms of metrics
+    released each step by ``optimizer.release``, so that a ``budget`` prices them.
     """
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch DataLoader, got {data_loader!r}")
@@ -162,7 +163,7 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
                 mechanism, n=n, q=q, backend="torch", ledger=ledger, seed=seed,
                 clipping=QuantileClipping() if clip_policy == "adaptive" else clip_policy,
                 budget=budget, on_nonfinite=on_nonfinite, secure=secure,
-                extra=() if statistics is None else statistics.mechanisms())
+                extra=(*(() if statistics is None else statistics.mechanisms()), *metrics))
 
         if workers is None:
             aggregator = build()
