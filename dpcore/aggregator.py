@@ -211,7 +211,11 @@ class PrivateAggregator:
     def clip_factors(self, sq_norms, *, mask=None):
         """Per-record, per-group clip factors (B, G) from per-leaf squared norms (B, L), leaves
         in ``mechanism.leaves`` order."""
-        mechanism, xp = self.mechanism, self.backend.namespace()
+        return self._clip_factors(sq_norms, self.mechanism, mask)
+
+    def _clip_factors(self, sq_norms, mechanism: Mechanism, mask):
+        """:meth:`clip_factors` under ``mechanism`` (the aggregator's or another's)."""
+        xp = self.backend.namespace()
         norms = aggregation.group_norms(sq_norms, mechanism, mechanism.leaves, xp=xp)
         return aggregation.clip_factors(norms, [g.clip for g in mechanism.groups], mask=mask,
                                         on_nonfinite=self.on_nonfinite, xp=xp)
@@ -351,11 +355,9 @@ class PrivateAggregator:
         """(clip factors (B, G), clipped sums by leaf) of ``per_record`` under ``mechanism``."""
         mechanism.check_leaves(per_record)
         self._refuse_traced(per_record)
-        leaves, xp = mechanism.leaves, self.backend.namespace()
-        norms = aggregation.group_norms(aggregation.per_leaf_sq_norms(per_record, leaves),
-                                        mechanism, leaves, xp=xp)
-        factors = aggregation.clip_factors(norms, [g.clip for g in mechanism.groups],
-                                           mask=mask, on_nonfinite=self.on_nonfinite, xp=xp)
+        leaves = mechanism.leaves
+        factors = self._clip_factors(aggregation.per_leaf_sq_norms(per_record, leaves),
+                                     mechanism, mask)
         zero_rows = None
         if mask is not None or self.on_nonfinite == "drop":
             zero_rows = array_namespace(factors).equal(factors[:, 0], 0)
