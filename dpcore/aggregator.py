@@ -23,6 +23,7 @@ from array_api_compat import array_namespace
 
 from . import _validation as check
 from . import aggregation
+from .adaptive import AdaptiveClipping
 from .backend import Backend
 from .ledger import Ledger, PathLike, SamplingEvent, SumQueryEvent
 from .noise import NoiseDraws
@@ -48,7 +49,9 @@ class PrivateAggregator:
     """Gaussian sum queries of ``mechanism`` on Poisson samples (rate ``q``) of ``n`` records.
 
     ``ledger`` is a :class:`Ledger`, a path (created, or reopened and appended to) or None (in
-    memory). ``seed`` fixes sampling and noise for tests; None takes OS entropy. ``secure``
+    memory); on a ledger holding steps the run resumes (:attr:`start_step`,
+    :meth:`load_state_dict`). ``seed`` fixes sampling and noise for tests (keyed by
+    :attr:`start_step`, so a resumed run draws anew); None takes OS entropy. ``secure``
     draws sampling and noise from the system's cryptographically secure generator instead of
     NumPy's and the backend's (:mod:`dpcore.secure`; unseeded, and slower).
     ``on_nonfinite`` is ``"raise"`` or ``"drop"`` (see :func:`aggregation.clip_factors`).
@@ -83,6 +86,7 @@ class PrivateAggregator:
             raise ValueError(f"ledger is for record={ledger.header.record!r}, the mechanism for "
                              f"record={mechanism.record!r}")
         self.ledger = ledger
+        self.start_step = ledger.samplings  # a resumed run continues the ledger's steps
         self._sampling = SamplingEvent(self.q, self.n)  # every step's (immutable) event
         self.secure = bool(secure)
         if self.secure:
@@ -94,7 +98,11 @@ class PrivateAggregator:
             self.rng = SecureGenerator()
             self.standard_normal = SecureStandardNormal(self.backend)
         else:
-            sampling_seed, noise_seed = np.random.SeedSequence(seed).spawn(2)
+            # resumed, a seed gives other draws than the steps it continues: the same noise
+            # twice would cancel in the difference of two releases, the same samples would
+            # make the steps' samplings dependent
+            sampling_seed, noise_seed = np.random.SeedSequence(
+                seed, spawn_key=(self.start_step,) if self.start_step else ()).spawn(2)
             self.sampler = self.backend.poisson_sampler(self.n, self.q, seed=sampling_seed)
             self.rng = self.backend.rng(
                 None if seed is None else int(noise_seed.generate_state(1, np.uint64)[0] >> 1))
@@ -113,10 +121,11 @@ class PrivateAggregator:
         self._extra_released: set[int] = set()  # under a budget: extra released this step
         self._mechanism = None
         self._last_release = -1  # the last step released
-        self._enter(-1)
+        self._enter(self.start_step - 1)
 
     def _enter(self, step: int) -> None:
-        """Fix the mechanism of step ``step`` (-1: before the first), the groups it releases
+        """Fix the mechanism of step ``step`` (``start_step - 1``: before the first), the
+        groups it releases
         (with adaptive clipping's counts) and their ledger events."""
         self._step = step
         self._extra_released = set()
@@ -250,7 +259,7 @@ class PrivateAggregator:
     def _check_unreleased(self) -> None:
         """A step must have begun; under a budget, it is released once: the budget priced
         the step as one release, and a second query of the same sample could overrun it."""
-        if self._step < 0:
+        if not self.begun:
             raise RuntimeError("no sample to release from: call sample() or begin_step() first")
         if self.budget is not None and self._last_release == self._step:
             raise RuntimeError(
@@ -260,8 +269,47 @@ class PrivateAggregator:
 
     @property
     def step(self) -> int:
-        """The index of the current step (the last one begun; -1 before the first)."""
+        """The index of the current step in the run's ledger (the last one begun;
+        ``start_step - 1`` before the first)."""
         return self._step
+
+    @property
+    def begun(self) -> bool:
+        """Whether this aggregator has begun a step."""
+        return self._step >= self.start_step
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps beside the ledger to continue the run: the steps begun and
+        adaptive clipping's current clips (JSON-serialisable)."""
+        state = {"steps": self._step + 1}
+        if isinstance(self._policy, AdaptiveClipping):
+            state["clips"] = list(self._policy.clips)
+        return state
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Continue from :meth:`state_dict`'s ``state``, before the first step. A checkpoint of
+        more steps than the ledger holds is refused: those steps would go unaccounted."""
+        if self.begun:
+            raise RuntimeError(f"load the state before the first step (step {self._step} "
+                               f"has begun)")
+        steps = check.count("steps", state.get("steps"), minimum=0)
+        if steps > self.start_step:
+            raise ValueError(
+                f"the checkpoint was taken after {steps} steps, but the ledger holds "
+                f"{self.start_step}: the steps it misses would not be accounted. Resume with "
+                f"the run's ledger (the path it was written to)")
+        clips = state.get("clips")
+        adaptive = isinstance(self._policy, AdaptiveClipping)
+        if (clips is not None) != adaptive:
+            raise ValueError(f"the checkpoint {'has' if clips is not None else 'lacks'} "
+                             f"adaptive clipping's clips, and this aggregator "
+                             f"{'uses' if adaptive else 'does not use'} adaptive clipping")
+        if adaptive:
+            if len(clips) != len(self._policy.clips):
+                raise ValueError(f"the checkpoint has {len(clips)} clips, the mechanism "
+                                 f"{len(self._policy.clips)} groups")
+            self._policy.clips = [check.positive("clip", c) for c in clips]
+            self._enter(self._step)  # the mechanism before the first step, with these clips
 
     def _count_sums(self, factors, mask) -> dict:
         """Adaptive clipping's centred counts of the unclipped records ({} without it)."""
@@ -279,7 +327,7 @@ class PrivateAggregator:
         and passes them to :meth:`release_noisy_sums`. ``noise=False`` gives zeros instead,
         for a process whose sums are added to those of another that draws the noise (its
         release is not private on its own: it must go into that sum and nowhere else)."""
-        if self._step < 0:
+        if not self.begun:
             raise RuntimeError("no sample to release from: call sample() or begin_step() first")
         self._mechanism.check_leaves(like)
         self._refuse_traced(like)
@@ -368,7 +416,7 @@ class PrivateAggregator:
         """:meth:`release` of another ``mechanism``'s groups on the current step."""
         if not isinstance(mechanism, Mechanism):
             raise TypeError(f"mechanism must be a dpcore Mechanism, got {mechanism!r}")
-        if self._step < 0:
+        if not self.begun:
             raise RuntimeError("no sample to release from: call sample() or begin_step() first")
         if self.budget is not None:
             declared = next((k for k, m in enumerate(self.extra) if m == mechanism), None)

@@ -202,7 +202,7 @@ class Ledger:
         self.fsync = fsync
         self._file: IO[str] | None = None
         wanted = Header(record=record, microbatch_size=microbatch_size)
-        self.header, self._events = wanted, []
+        self.header, self._events, self._samplings = wanted, [], 0
         if self.path is None:
             return
         # "a+": created if missing, never truncated by opening; locked before it is read
@@ -218,13 +218,18 @@ class Ledger:
                     f"{self.path}: existing ledger is for record={header.record!r}, "
                     f"microbatch_size={header.microbatch_size!r}; this run asked for "
                     f"record={record!r}, microbatch_size={microbatch_size!r}")
-            self.header, self._events = header, events
+            self._adopt(header, events)
             self._file.truncate(keep)
             if not complete:
                 self._file.write("\n")  # a crash tore off only the final newline
         except BaseException:
             self.close()
             raise
+
+    def _adopt(self, header: Header, events: list[Event]) -> None:
+        """Hold the header and events read from a file."""
+        self.header, self._events = header, events
+        self._samplings = sum(isinstance(e, SamplingEvent) for e in events)
 
     @property
     def _sampled(self) -> bool:
@@ -234,6 +239,11 @@ class Ledger:
     @property
     def events(self) -> tuple[Event, ...]:
         return tuple(self._events)
+
+    @property
+    def samplings(self) -> int:
+        """The number of sampling events, i.e. of steps begun (a resumed run's included)."""
+        return self._samplings
 
     def write(self, *events: Event) -> None:
         """Append ``events`` (validated, then written and flushed together)."""
@@ -253,6 +263,7 @@ class Ledger:
         if self._file is not None:
             self._emit([event_to_json(e) for e in events])
         self._events.extend(events)
+        self._samplings += sum(isinstance(e, SamplingEvent) for e in events)
 
     def record_sampling(self, q: float, n: int) -> SamplingEvent:
         event = SamplingEvent(q=q, n=n)
@@ -313,7 +324,7 @@ def read_ledger(path: PathLike, *, allow_torn_tail: bool = False) -> Ledger:
     result does not touch the file; open ``Ledger(path)`` to continue a run)."""
     header, events, _, _ = _parse(Path(path), allow_torn_tail=allow_torn_tail)
     ledger = Ledger(record=header.record, microbatch_size=header.microbatch_size)
-    ledger.header, ledger._events = header, events
+    ledger._adopt(header, events)
     return ledger
 
 

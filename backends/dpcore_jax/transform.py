@@ -84,7 +84,7 @@ class _Ledger:
     def stamp(self, held, count):
         """``[current step, 1 if the parts held are dropped else 0]`` for a new part."""
         now, held, count = self.aggregator.step, int(held), int(count)
-        if now < 0:
+        if not self.aggregator.begun:
             raise RuntimeError("no sample to release from: begin a step first "
                                "(PoissonBatches.next(), or aggregator.sample())")
         drop = bool(count) and held != now

@@ -209,10 +209,23 @@ class PrivateOptimizer(torch.optim.Optimizer):
         return released
 
     def state_dict(self):
-        return self.original_optimizer.state_dict()
+        """The wrapped optimizer's state and, under ``"dpcore"``, the aggregator's (the steps
+        taken, adaptive clipping's clips): with the run's ledger, a checkpoint resumes the
+        run where it was taken."""
+        return {**self.original_optimizer.state_dict(), "dpcore": self.aggregator.state_dict()}
 
     def load_state_dict(self, state_dict) -> None:
-        self.original_optimizer.load_state_dict(state_dict)
+        """Load :meth:`state_dict`'s output (or a plain optimizer's state), before the first
+        step; a checkpoint of more steps than the ledger holds is refused, with nothing
+        loaded (:meth:`dpcore.PrivateAggregator.load_state_dict`)."""
+        state = dict(state_dict)
+        ours = state.pop("dpcore", None)
+        if ours is not None:
+            self.aggregator.load_state_dict(ours)
+        self.original_optimizer.load_state_dict(state)
+        # torch makes new group and state objects: share them again (schedulers change ours)
+        self.param_groups = self.original_optimizer.param_groups
+        self.state = self.original_optimizer.state
 
     def epsilon(self, delta: float, **kwargs) -> float:
         """epsilon at ``delta`` of every step in the ledger so far."""

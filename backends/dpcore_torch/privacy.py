@@ -80,14 +80,15 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     ``"per_layer"`` or a :class:`dpcore.Mechanism` over the parameter names, whose clips and
     allocation are kept and whose noise is scaled to z (as given, without either).
     ``loss_reduction`` must match the loss (``"mean"`` or ``"sum"`` over the batch).
-    ``ledger`` is a path, a :class:`dpcore.Ledger` or None (in memory). ``seed`` fixes
-    sampling and noise (tests only; None draws OS entropy); ``secure`` draws sampling and
-    noise from the system's cryptographically secure generator instead
-    (:mod:`dpcore.secure`; no seed). ``mode`` is
-    ``"auto"`` (ghost norms and book-keeping where a layer rule exists, ``torch.func``
-    elsewhere) or ``"vmap"`` (``torch.func`` for the whole model);
-    ``prefer`` ("memory" or "time") picks ghost norms or materialised per-example gradients per
-    layer (:func:`dpcore_torch.layers.use_ghost`). ``accountant`` calibrates ``target_epsilon``.
+    ``ledger`` is a path, a :class:`dpcore.Ledger` or None (in memory); the run's ledger
+    path, reopened, resumes the run (with ``optimizer.load_state_dict`` of a checkpoint's
+    ``optimizer.state_dict()``). ``seed`` fixes sampling and noise (tests only; None draws
+    OS entropy); ``secure`` draws sampling and noise from the system's cryptographically
+    secure generator instead (:mod:`dpcore.secure`; no seed). ``mode`` is ``"auto"`` (ghost
+    norms and book-keeping where a layer rule exists, ``torch.func`` elsewhere) or
+    ``"vmap"`` (``torch.func`` for the whole model); ``prefer`` ("memory" or "time") picks
+    ghost norms or materialised per-example gradients per layer
+    (:func:`dpcore_torch.layers.use_ghost`). ``accountant`` calibrates ``target_epsilon``.
     ``check_independence``: the model's first two training steps raise
     :class:`NotPerExampleError` if it mixes the examples of the batch
     (:mod:`dpcore_torch.independence`), and every step a layer that sees k >= 2 rows per
@@ -165,11 +166,12 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
                 budget=budget, on_nonfinite=on_nonfinite, secure=secure,
                 extra=(*(() if statistics is None else statistics.mechanisms()), *metrics))
 
-        if workers is None:
-            aggregator = build()
-        else:  # made (its ledger opened) in every process or in none, with the same settings
-            aggregator = workers.agree(build, lambda: f"q={q}, n={n} and {mechanism}")
-            workers.share_ledger(aggregator.ledger)  # a resumed ledger: process 0's events
+        if workers is not None:  # opened in every process or in none
+            ledger = workers.agree(partial(_opened, ledger, mechanism))
+            # a resumed ledger: process 0's events, so every process continues its steps
+            workers.share_ledger(ledger)
+        aggregator = (build() if workers is None else  # the same settings in every process
+                      workers.agree(build, lambda: f"q={q}, n={n} and {mechanism}"))
     except BaseException:
         engine.detach()  # the model as it was: make_private can be called again
         raise
@@ -183,6 +185,13 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
         statistics.release = (aggregator.release if workers is None else
                               partial(workers.release_extra, aggregator))
     return module, private, loader
+
+
+def _opened(ledger, mechanism: Mechanism) -> Ledger:
+    """``ledger`` (a path, a Ledger or None) as a :class:`dpcore.Ledger` for ``mechanism``."""
+    if isinstance(ledger, Ledger):
+        return ledger
+    return Ledger(ledger, record=mechanism.record, microbatch_size=mechanism.microbatch_size)
 
 
 def _batch_norm_statistics(module, settings) -> PrivateStatistics:

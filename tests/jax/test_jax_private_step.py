@@ -252,14 +252,15 @@ def test_optax_transformation_adds_noise_once_per_logical_batch(secure, record_n
     assert kinds == [SamplingEvent, SumQueryEvent] * 3
 
 
-def accumulating(seed: int, aggregator_seed: int, inner, k: int):
-    """A wide model, an aggregator over 400 records (q = 0.1, on_nonfinite="drop"), the
-    optax route with accumulation_steps=k around ``inner`` and its jitted micro-step:
-    (params, state, micro_step, data, aggregator)."""
+def accumulating(seed: int, aggregator_seed: int, inner, k: int, **options):
+    """A wide model, an aggregator over 400 records (q = 0.1, on_nonfinite="drop", and
+    ``options``), the optax route with accumulation_steps=k around ``inner`` and its jitted
+    micro-step: (params, state, micro_step, data, aggregator)."""
     rng = np.random.default_rng(seed)
     loss_fn, params = wide_model(rng)
     mechanism = dpcore.flat(["b", "w"], 1.0, 1.0)
-    agg = aggregator(mechanism, n=400, q=0.1, seed=aggregator_seed, on_nonfinite="drop")
+    agg = aggregator(mechanism, n=400, q=0.1, seed=aggregator_seed, on_nonfinite="drop",
+                     **options)
     data = (rng.normal(size=(400, 200)).astype(np.float32), rng.integers(0, 100, size=400))
     sums_fn = clipped_sums(loss_fn, mechanism)
     opt = private_optimizer(inner, agg, accumulation_steps=k)
@@ -289,6 +290,28 @@ def test_an_optax_release_summing_two_samples_is_refused(splits, parts_run, rele
         jax.block_until_ready(params)
     assert [type(e) for e in agg.ledger.events] == (
         [SamplingEvent] + [SumQueryEvent] * released + [SamplingEvent])
+
+
+def test_a_resumed_run_refuses_a_part_before_its_first_sample(tmp_path):
+    """An aggregator on a ledger that holds steps (a resumed run) has begun none of its own:
+    a part before its first sample is refused (it would join the last run's last step);
+    its samples are then numbered on from the ledger's."""
+    path = tmp_path / "run.jsonl"
+    first = aggregator(dpcore.flat(["b", "w"], 1.0, 1.0), n=400, q=0.1, ledger=path)
+    first.sample(), first.sample()
+    first.ledger.close()
+    params, state, micro_step, data, agg = accumulating(14, 8, optax.sgd(1.0), 2,
+                                                        ledger=path)
+    assert agg.start_step == 2
+    with pytest.raises(jax.errors.JaxRuntimeError, match="no sample to release from"):
+        jax.block_until_ready(micro_step(params, state, (data[0][:16], data[1][:16]),
+                                         jnp.ones(16, bool)))
+    for batch, mask in PoissonBatches(data, agg, splits=2).next():
+        params, state = micro_step(params, state, batch, mask)
+    jax.block_until_ready(params)
+    assert agg.step == 2 and [type(e) for e in agg.ledger.events] == (
+        [SamplingEvent] * 3 + [SumQueryEvent])
+    agg.ledger.close()
 
 
 def test_drop_parts_goes_on_after_a_refused_part_keeping_the_optimizer_state():

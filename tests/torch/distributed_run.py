@@ -198,22 +198,25 @@ def failed_micro_batch(out: Path, rank: int) -> dict:
 
 def resumed(out: Path, rank: int) -> dict:
     """Two steps into ledger.jsonl, then a second make_private on the same path: process 0
-    reopens the file, process 1 starts from its events, and both price the run alike."""
+    reopens the file, process 1 starts from its events, and both price the run alike and
+    number its steps alike."""
     path = out / "resumed.jsonl"
-    epsilons = []
+    epsilons, starts = [], []
     for _ in range(2):
         model = mlp()
         model, opt, loader = make_private(
             model, torch.optim.SGD(model.parameters(), lr=0.5),
             DataLoader(data(), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0,
             distributed=True, ledger=path)
+        starts.append(opt.aggregator.start_step)
         for (x, y, _), _ in zip(loader, range(2)):
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
         epsilons.append(opt.epsilon(1e-5))
         opt.ledger.close()
-    return {"epsilons": epsilons, "events": len(opt.ledger.events)}
+    return {"epsilons": epsilons, "events": len(opt.ledger.events), "starts": starts,
+            "step": opt.aggregator.step}
 
 
 def refusals(out: Path, rank: int) -> dict:

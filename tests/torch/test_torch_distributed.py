@@ -194,6 +194,7 @@ def test_a_resumed_ledger_is_every_processs_so_they_price_the_run_alike(ranks):
     _, results = ranks
     resumed = [r["resumed"] for r in results]
     assert resumed[0] == resumed[1] and resumed[0]["events"] == 8
+    assert resumed[0]["starts"] == [0, 2] and resumed[0]["step"] == 3
     assert resumed[0]["epsilons"][1] > resumed[0]["epsilons"][0]
 
 
