@@ -47,6 +47,7 @@ class _State:
         self.stds: tf.Variable | None = None
         self.normals: tf.Variable | None = None  # a secure aggregator's, drawn on the host
         self.check_source = None  # under several replicas: batches for the check alone
+        self.peek = False  # whether Keras may call for a batch the dataset does not have
         self.assigned = None  # the (clips, stds) values the variables hold
 
 
@@ -166,13 +167,16 @@ class PrivateModel(keras.Model):
                 raise ValueError(f"steps_per_execution must be 1 for a private model (the "
                                  f"ledger is written before every step), got "
                                  f"{self.steps_per_execution}")
+            peek = state.peek
             if dp.independence is not None and not dp.independence.done:
                 if state.check_source is not None:
                     dp.check(*next(state.check_source))
                     if dp.independence.done:  # let the source (and its prefetch) go
                         state.check_source = None
                 else:
-                    iterator = _check_next_batch(dp, iterator)
+                    iterator, peek = _check_next_batch(dp, iterator), False
+            if peek:  # the end of the data records no step
+                iterator = _next_batch(iterator)[1]
             inputs = dp.record_step()  # ledger first
             if inputs != state.assigned:  # clips or noise moved (or first step)
                 state.clips.assign(inputs[0])
@@ -209,7 +213,11 @@ class PrivateModel(keras.Model):
                 raise ValueError(f"{name}={value!r} does not apply to a private model: batches "
                                  f"are Poisson samples at rate q={self.aggregator.q}")
         replicas, arrays = self._check_replicas(), None
+        self._dp_state.peek = False
         if isinstance(x, tf.data.Dataset):
+            # where Keras cannot know the dataset's end, look for each batch before its step
+            # is recorded: the call that finds none would otherwise leave a step in the ledger
+            self._dp_state.peek = int(x.cardinality()) == tf.data.UNKNOWN_CARDINALITY
             if not _is_poisson(x):
                 spec = x.element_spec
                 raise ValueError(
@@ -255,20 +263,24 @@ def _float_mask(dataset: tf.data.Dataset) -> tf.data.Dataset:
     return dataset.map(lambda x, y, mask: (x, y, tf.cast(mask, tf.float32)))
 
 
-def _check_next_batch(dp: PrivateGradients, iterator):
-    """Check the next batch of ``iterator`` for mixing of the examples (:meth:`PrivateGradients.
-    check`); an iterator over that one batch, of the same element type (the compiled step
-    is not traced again)."""
+def _next_batch(iterator):
+    """The next batch of ``iterator`` (``StopIteration`` at its end) and an iterator over that
+    one batch, of the same element type (the compiled step is not traced again)."""
     if isinstance(iterator, tf.data.Iterator):
         optional = iterator.get_next_as_optional()
         if not optional.has_value():
             raise StopIteration
         data = optional.get_value()
-        iterator = iter(tf.data.Dataset.from_generator(
+        return data, iter(tf.data.Dataset.from_generator(
             lambda: iter([data]), output_signature=iterator.element_spec))
-    else:
-        data = next(iter(iterator))
-        iterator = iter([data])
+    data = next(iter(iterator))
+    return data, iter([data])
+
+
+def _check_next_batch(dp: PrivateGradients, iterator):
+    """Check the next batch of ``iterator`` for mixing of the examples (:meth:`PrivateGradients.
+    check`); an iterator over that one batch (:func:`_next_batch`)."""
+    data, iterator = _next_batch(iterator)
     x, y, mask = keras.utils.unpack_x_y_sample_weight(data)
     dp.check(x, y, mask)
     return iterator

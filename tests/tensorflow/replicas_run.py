@@ -156,6 +156,28 @@ def validation() -> dict:
     return {"error": error, "steps": len(private.aggregator.ledger.events) // 2}
 
 
+def unknown_length() -> dict:
+    """A dataset whose end Keras cannot know (after a filter): the ledger holds the steps
+    trained on, the call that finds no batch none."""
+    x, y = data()
+    with STRATEGY.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+        private = make_private(model, n=N, q=0.5, max_grad_norm=1.0, noise_multiplier=1.0,
+                               seed=0)
+        private.compile(optimizer=keras.optimizers.SGD(0.1), loss=CE)
+    dataset = poisson_dataset(x, y, q=0.5, steps=3, seed=1, capacity=40)
+    trained = []
+    callback = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: trained.append(batch))
+    try:
+        private.fit(dataset.filter(lambda *batch: True), epochs=2, verbose=0,
+                    callbacks=[callback])
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        return {"error": f"{type(error).__name__}: {error}"}
+    return {"error": None, "trained": len(trained),
+            "steps": private.aggregator.ledger.samplings}
+
+
 def refused(**options) -> dict:
     """fit or train_on_batch under the replicas with ``options``: the error, the events."""
     x, y = data()
@@ -205,7 +227,7 @@ elif __name__ == "__main__":
                       "secure_noise": noise(secure=True), "nonfinite": nonfinite(),
                       "mixing": mixing(), "per_replica": graph_step_per_replica(),
                       "other_strategy": other_strategy(),
-                      "validation": validation(),
+                      "validation": validation(), "unknown_length": unknown_length(),
                       "clipnorm": refused(compiled={
                           "optimizer": keras.optimizers.SGD(0.1, clipnorm=1.0)}),
                       "jit": refused(compiled={"jit_compile": True}),

@@ -77,6 +77,10 @@ def test_validation_batches_with_a_padding_mask_are_taken(results):
     assert results["validation"]["error"] is None and results["validation"]["steps"] == 1
 
 
+def test_a_dataset_of_unknown_length_records_the_steps_trained_on(results):
+    assert results["unknown_length"] == {"error": None, "trained": 6, "steps": 6}
+
+
 @pytest.mark.parametrize("kind, message", [
     ("jit", "jit_compile=True under 2 replicas"),
     ("train_on_batch", "train_on_batch under several replicas would give every replica")])

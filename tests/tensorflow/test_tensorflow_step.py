@@ -239,6 +239,31 @@ def test_fit_on_a_poisson_dataset_and_a_custom_loop_share_the_ledger():
     assert agg.ledger.steps() == [dpcore.Step(0.1, 0.5, 5)]
 
 
+@pytest.mark.parametrize("steps_per_epoch, epochs", [(None, 2), (5, 1)])
+def test_the_end_of_a_dataset_of_unknown_length_records_no_step(steps_per_epoch, epochs):
+    """A dataset whose end Keras cannot know (after a filter), also with steps_per_epoch
+    past its end: the call that finds no batch writes nothing, so the ledger holds exactly
+    the steps trained on (Keras's optimizer.iterations counts that call too)."""
+    x, y = data(200, seed=10)
+    private = make_private(cnn(10), n=200, batch_size=20, noise_multiplier=0.5, seed=0)
+    private.compile(optimizer="sgd", loss=CE)
+    agg = private.aggregator
+    dataset = poisson_dataset(x, y, sampler=agg.sampler, steps=3).filter(lambda *batch: True)
+    assert int(dataset.cardinality()) == tf.data.UNKNOWN_CARDINALITY
+    trained = []
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            trained.append(batch)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Keras: "your input ran out of data"
+        private.fit(dataset, steps_per_epoch=steps_per_epoch, epochs=epochs, verbose=0,
+                    callbacks=[Count()])
+    assert len(trained) == 3 * epochs
+    assert agg.ledger.steps() == [dpcore.Step(0.1, 0.5, 3 * epochs)]
+
+
 @pytest.mark.parametrize("extra", ["none", "weights"])
 def test_fit_refuses_a_dataset_without_a_padding_mask(extra):
     """Fixed-size batches would be accounted as Poisson samples; float sample weights would be
