@@ -102,6 +102,33 @@ def batch_norm(batch_size: int, **options) -> dict:
             "buffers": [b.clone() for b in model.buffers()]}
 
 
+LOSS_METRIC = dpcore.Mechanism((dpcore.Group("loss", ("loss",), 1.0, 2.0),))
+
+
+def metrics(batch_size: int, **options) -> dict:
+    """The MLP trained with seed 5, each step's loss released by ``optimizer.release``
+    (before step() on even steps, after it on odd ones): the released losses, the ledger's
+    events and the trained weights."""
+    model = mlp()
+    model, opt, loader = make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.5),
+        DataLoader(data(), batch_size=batch_size), noise_multiplier=0.7, max_grad_norm=0.3,
+        seed=5, **options)
+    released = []
+    for k, (x, y, _) in enumerate(loader):
+        opt.zero_grad()
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        losses.mean().backward()
+        values = {"loss": losses.detach()[:, None]}
+        if k % 2 == 0:
+            released.append(opt.release(values, LOSS_METRIC)["loss"])
+        opt.step()
+        if k % 2 == 1:
+            released.append(opt.release(values, LOSS_METRIC)["loss"])
+    return {"released": released, "events": list(opt.ledger.events),
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
 def noise(out: Path, rank: int, secure: bool) -> dict:
     """Zero gradients, unseeded: each step's release times q n is the noise alone."""
     torch.manual_seed(0)
@@ -248,6 +275,7 @@ def main(out: str) -> None:
     results = {"world": dist.get_world_size(), "same_seed": same_seed(out, rank),
                "adaptive": adaptive(BATCH, distributed=True),
                "batch_norm": batch_norm(BATCH, distributed=True),
+               "metrics": metrics(BATCH, distributed=True),
                "noise": noise(out, rank, secure=False),
                "secure_noise": noise(out, rank, secure=True),
                "nan_record": nan_record(out, rank), "other_clip": other_clip(out, rank),

@@ -87,6 +87,22 @@ def test_batch_norm_statistics_are_released_once_from_every_processs_records(ran
             torch.testing.assert_close(p, want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_metric_is_released_once_from_every_processs_records(ranks):
+    """optimizer.release across the processes, before and after step(): each process's
+    share clipped, process 0's noise, the shares added up; the released values, the ledger
+    and the weights are the one-process run's with the same seed."""
+    _, results = ranks
+    one = run.metrics(2 * run.BATCH)
+    assert len(one["released"]) == run.STEPS
+    for rank in results:
+        got = rank["metrics"]
+        torch.testing.assert_close(torch.stack(got["released"]), torch.stack(one["released"]),
+                                   rtol=1e-5, atol=1e-6)
+        assert got["events"] == one["events"]
+        for p, want in zip(got["params"], one["params"], strict=True):
+            torch.testing.assert_close(p, want, rtol=1e-5, atol=1e-6)
+
+
 def test_adaptive_clipping_counts_every_processs_records_once(ranks):
     """Adaptive clipping across the two processes moves the clip as the one-process run
     with the same seed does (the counts of the union, one count noise draw, process 0's) and
