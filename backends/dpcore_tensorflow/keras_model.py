@@ -239,11 +239,11 @@ class PrivateModel(keras.Model):
             check = (x if arrays is None else
                      poisson_dataset(*arrays, q=self.aggregator.q, steps=1, capacity=capacity))
             self._dp_state.check_source = iter(check.repeat())
-            x = _float_mask(x)
+            x = _for_replicas(x, replicas)
             if steps_per_epoch is None and int(x.cardinality()) > 0:
                 steps_per_epoch = int(x.cardinality())  # lost in the split over the replicas
             if _is_poisson(kwargs.get("validation_data")):
-                kwargs["validation_data"] = _float_mask(kwargs["validation_data"])
+                kwargs["validation_data"] = _for_replicas(kwargs["validation_data"], replicas)
         return super().fit(x, y, epochs=epochs, steps_per_epoch=steps_per_epoch, shuffle=False,
                            **kwargs)
 
@@ -257,10 +257,20 @@ def _is_poisson(data) -> bool:
             and getattr(spec[2], "dtype", None) == tf.bool)
 
 
-def _float_mask(dataset: tf.data.Dataset) -> tf.data.Dataset:
-    """The mask as float32: under several replicas Keras averages a first batch over them to
-    build the model, which a bool cannot be."""
-    return dataset.map(lambda x, y, mask: (x, y, tf.cast(mask, tf.float32)))
+def _for_replicas(dataset: tf.data.Dataset, replicas: int) -> tf.data.Dataset:
+    """Batches Keras can cut over ``replicas``: rows padded to a multiple of them (masked
+    out), the mask as float32 (Keras averages a first batch's parts to build the model,
+    which must have one shape and cannot be bool)."""
+    def rows(t, extra):
+        t = tf.convert_to_tensor(t)
+        return tf.pad(t, tf.concat([[[0, extra]], tf.zeros([tf.rank(t) - 1, 2], tf.int32)], 0))
+
+    def pad(x, y, mask):
+        extra = -tf.shape(mask)[0] % replicas
+        return (tf.nest.map_structure(lambda t: rows(t, extra), x), rows(y, extra),
+                rows(tf.cast(mask, tf.float32), extra))
+
+    return dataset.map(pad)
 
 
 def _next_batch(iterator):

@@ -78,7 +78,10 @@ class PrivateOptimizer(torch.optim.Optimizer):
 
     @property
     def noise_multiplier(self) -> float:
-        """z of Eq. (1) for the whole mechanism."""
+        """z of Eq. (1) over the gradient's groups (as Opacus's: noise std / clip for one
+        group). With BatchNorm statistics, adaptive clipping's counts or metrics released
+        on a step, the step's total is lower: the ledger's
+        ``optimizer.ledger.steps()[-1].noise_multiplier``."""
         return self.aggregator.mechanism.noise_multiplier
 
     def next_step_fits(self) -> bool:

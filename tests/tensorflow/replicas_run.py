@@ -34,8 +34,10 @@ def data():
     return rng.normal(size=(N, 6)).astype("float32"), rng.integers(0, 3, N)
 
 
-def fit(strategy, x, y, *, layers=None, epochs=3, compiled=None, fitted=None, **options):
-    """``(updates of the weights, private model, error)`` of ``epochs`` steps at q = 1."""
+def fit(strategy, x, y, *, layers=None, epochs=3, compiled=None, fitted=None, dataset=None,
+        **options):
+    """``(updates of the weights, private model, error)`` of ``epochs`` steps at q = 1 (on
+    ``dataset()``'s batches if given, else on the arrays)."""
     keras.utils.set_random_seed(1)
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = keras.Sequential(layers or [keras.Input((6,)), keras.layers.Dense(8, "tanh"),
@@ -46,7 +48,8 @@ def fit(strategy, x, y, *, layers=None, epochs=3, compiled=None, fitted=None, **
                            **(compiled or {})})
     before = [v.numpy() for v in model.trainable_variables]
     try:
-        private.fit(x, y, epochs=epochs, steps_per_epoch=1, verbose=0, **(fitted or {}))
+        data = (x, y) if dataset is None else (dataset(),)
+        private.fit(*data, epochs=epochs, steps_per_epoch=1, verbose=0, **(fitted or {}))
     except Exception as error:  # noqa: BLE001 - reported to the test
         return None, private, f"{type(error).__name__}: {error}"
     return [b - v.numpy() for b, v in zip(before, model.trainable_variables)], private, None
@@ -156,6 +159,24 @@ def validation() -> dict:
     return {"error": error, "steps": len(private.aggregator.ledger.events) // 2}
 
 
+def odd_batches() -> dict:
+    """A dataset of one's own whose batches, 41 rows (the 40 records at q = 1 and a padding
+    row), do not divide over the two replicas: fit pads them, and the steps are one
+    device's."""
+    x, y = data()
+
+    def dataset():
+        return poisson_dataset(x, y, q=1.0, steps=3, capacity=41)
+
+    one, _, _ = fit(None, x, y, dataset=dataset)
+    two, private, error = fit(STRATEGY, x, y, dataset=dataset)
+    if error is not None:
+        return {"error": error}
+    return {"error": None, "steps": private.aggregator.ledger.samplings,
+            "difference": max(float(np.abs(a - b).max()) for a, b in zip(one, two)),
+            "largest_update": max(float(np.abs(a).max()) for a in one)}
+
+
 def unknown_length() -> dict:
     """A dataset whose end Keras cannot know (after a filter): the ledger holds the steps
     trained on, the call that finds no batch none."""
@@ -228,6 +249,7 @@ elif __name__ == "__main__":
                       "mixing": mixing(), "per_replica": graph_step_per_replica(),
                       "other_strategy": other_strategy(),
                       "validation": validation(), "unknown_length": unknown_length(),
+                      "odd_batches": odd_batches(),
                       "clipnorm": refused(compiled={
                           "optimizer": keras.optimizers.SGD(0.1, clipnorm=1.0)}),
                       "jit": refused(compiled={"jit_compile": True}),

@@ -77,6 +77,12 @@ def test_validation_batches_with_a_padding_mask_are_taken(results):
     assert results["validation"]["error"] is None and results["validation"]["steps"] == 1
 
 
+def test_a_datasets_batches_that_do_not_divide_over_the_replicas_are_padded(results):
+    got = results["odd_batches"]
+    assert got["error"] is None and got["steps"] == 3
+    assert got["difference"] < 1e-4 * got["largest_update"]
+
+
 def test_a_dataset_of_unknown_length_records_the_steps_trained_on(results):
     assert results["unknown_length"] == {"error": None, "trained": 6, "steps": 6}
 

@@ -203,14 +203,21 @@ def test_batch_normalization_model_is_rejected():
         private.fit(np.zeros((10, 4), "float32"), np.zeros((10, 3), "float32"), verbose=0)
 
 
-def test_fit_follows_a_clip_schedule():
+@pytest.mark.parametrize("resumed", [False, True])
+def test_fit_follows_a_clip_schedule(tmp_path, resumed):
+    """Also over a resumed run: made private again on the run's ledger after two steps, the
+    model takes the schedule's clips of steps 2 and 3."""
     from dpcore.schedules import ClipSchedule, decreasing
     x, y = data(100, seed=8)
-    private = make_private(cnn(8), n=100, batch_size=20, max_grad_norm=1.0, noise_multiplier=0.5,
-                           seed=0, clip_schedule=ClipSchedule(decreasing(2.0)))
-    private.compile(optimizer="sgd", loss=CE)
-    private.fit(x, y, epochs=1, steps_per_epoch=4, verbose=0)
-    clips = [e.clip for e in private.aggregator.ledger.events if hasattr(e, "clip")]
+    for steps in [2, 2] if resumed else [4]:
+        private = make_private(cnn(8), n=100, batch_size=20, max_grad_norm=1.0,
+                               noise_multiplier=0.5, seed=0, ledger=tmp_path / "run.jsonl",
+                               clip_schedule=ClipSchedule(decreasing(2.0)))
+        private.compile(optimizer="sgd", loss=CE)
+        private.fit(x, y, epochs=1, steps_per_epoch=steps, verbose=0)
+        private.aggregator.ledger.close()
+    clips = [e.clip for e in dpcore.read_ledger(tmp_path / "run.jsonl").events
+             if hasattr(e, "clip")]
     assert clips == [1.0, 1 / 1.5, 0.5, 0.5]  # C / min(2, 1 + t / 2)
     state = private._dp_state
     assert np.allclose(state.clips.numpy(), [clips[-1]])  # the last step ran with its clip
