@@ -62,9 +62,11 @@ def test_reopening_appends_to_the_same_ledger(tmp_path):
     with Ledger(path) as ledger:
         write_steps(ledger, [(0.1, [("g", 1.0, 1.0)])])
     with Ledger(path) as ledger:
-        assert len(ledger.events) == 2
+        assert len(ledger.events) == 2 and ledger.samplings == 1  # the steps begun so far
         write_steps(ledger, [(0.1, [("g", 1.0, 1.0)])])
+        assert ledger.samplings == 2
     assert read_ledger(path).steps() == [Step(0.1, 1.0, 2)]
+    assert read_ledger(path).samplings == 2
     with pytest.raises(LedgerError, match="existing ledger is for record='example'"):
         Ledger(path, record="user")
 

@@ -11,8 +11,10 @@ drawing the noise from a key carried in its state (split off the aggregator's ke
 ``init``, which must run outside ``jit``), or, for a ``secure`` aggregator, from the system's
 CSPRNG on the host by an ordered ``io_callback`` at every run of the compiled program (the
 state's key is then None). The step's sum-query events are written from inside the compiled
-program by another ordered ``io_callback`` whose (zero) result is added to the output, so the
-released average cannot exist before its events are in the ledger.
+program by an ordered ``io_callback`` before the noise is drawn: its result, the step's index
+in the ledger, is folded into the key (the secure normals' callback comes after it), so the
+released average cannot exist before its events are in the ledger, and a state restored from
+a checkpoint (its key that of an earlier step) draws new noise for the ledger's new steps.
 
 With gradient accumulation a logical batch (one Poisson sample, one sampling event) is
 processed in k parts: :func:`private_optimizer` *adds* the k parts' clipped sums and, under a
@@ -98,7 +100,8 @@ class _Ledger:
         return np.array([now, int(drop)], np.int32)
 
     def record(self, nonfinite, step):
-        """Write the step's events (after its checks); on refusal, remember the step."""
+        """Write the step's events (after its checks) and return the step's index in the
+        ledger; on refusal, remember the step."""
         try:
             if self.aggregator.on_nonfinite == "raise" and int(nonfinite):
                 raise NonFiniteNormError(
@@ -109,7 +112,7 @@ class _Ledger:
         except Exception:
             self.refused.add(int(step))
             raise
-        return np.zeros((), np.float32)
+        return np.asarray(self.aggregator.step, np.int32)
 
 
 def _release_fn(aggregator, ledger: _Ledger):
@@ -129,11 +132,12 @@ def _release_fn(aggregator, ledger: _Ledger):
                                 ordered=True))
 
     def release(sums, nonfinite, step, key):
-        key, mean = noisy_mean(sums, mechanism, host_normals(sums) if key is None else key,
-                               expected_size)
-        written = io_callback(ledger.record, jax.ShapeDtypeStruct((), jnp.float32), nonfinite,
-                              step, ordered=True)
-        return key, jax.tree_util.tree_map(lambda x: x + written.astype(x.dtype), mean)
+        # the events first; the ledger's index of the step keys the noise, so a state
+        # restored from a checkpoint (its key an earlier step's) never draws a noise twice
+        index = io_callback(ledger.record, jax.ShapeDtypeStruct((), jnp.int32), nonfinite,
+                            step, ordered=True)
+        noise = host_normals(sums) if key is None else jax.random.fold_in(key, index)
+        return noisy_mean(sums, mechanism, noise, expected_size)
 
     return release
 

@@ -10,8 +10,10 @@ import pytest
 import dpcore
 from dpcore.aggregation import NonFiniteNormError
 from dpcore.ledger import SamplingEvent, SumQueryEvent
+import dpcore_jax
 from dpcore_jax import (Buckets, PoissonBatches, PrivateStep, clipped_sums, drop_parts,
-                        leaf_names, leaf_sizes, private_grad, private_optimizer, train)
+                        leaf_names, leaf_sizes, private_aggregate, private_grad,
+                        private_optimizer, train)
 from dpcore_jax.batching import pad
 
 import jax_models as models
@@ -205,6 +207,31 @@ def test_raise_policy_releases_nothing_and_drop_policy_continues():
             grads = step(params, (x, y))
             assert all(np.all(np.isfinite(g)) for g in jax.tree_util.tree_leaves(grads))
             assert isinstance(agg.ledger.events[-1], SumQueryEvent)
+
+
+def test_an_optax_state_restored_from_a_checkpoint_draws_new_noise():
+    """A state saved after step 0 and restored after step 1 was released (a crash after
+    the checkpoint): the ledger's next step gets other noise than step 1 had, though the
+    state's key is the one step 1 drew from (equal noise would cancel in the difference
+    of the two releases)."""
+    mechanism = dpcore.flat(["w"], 1.0, 1.0)
+    agg = aggregator(mechanism, n=100, q=0.1, seed=4)
+    opt = private_aggregate(agg)
+    zeros = dpcore_jax.ClippedSums({"w": jnp.zeros(1000)}, jnp.zeros((), jnp.int32))
+    update = jax.jit(lambda state: opt.update(zeros, state))
+    state = opt.init({"w": jnp.zeros(1000)})
+    noises = []
+    for _ in range(2):
+        agg.begin_step()
+        noise, state = update(state)
+        noises.append(np.asarray(noise["w"]))
+        if not noises[1:]:
+            checkpoint = state
+    agg.begin_step()
+    again = np.asarray(update(checkpoint)[0]["w"])  # step 1's key, at the ledger's step 2
+    assert agg.ledger.samplings == 3
+    assert np.std(again) == pytest.approx(np.std(noises[1]), rel=0.15)  # noise of step 2's std
+    assert np.abs(np.corrcoef(again, noises[1])[0, 1]) < 0.15  # and independent of step 1's
 
 
 @pytest.mark.parametrize("secure", [False, True])
