@@ -119,7 +119,9 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     calibrated) then covers those releases too, and so does a ``budget`` (its step begins,
     and may be refused, at the forward pass); with ``distributed``, every process's share
     is summed, process 0 drawing the noise. ``metrics`` declares the mechanisms of metrics
-    released each step by ``optimizer.release``, so that a ``budget`` prices them.
+    released each step by ``optimizer.release``: the step's noise multiplier (given or
+    calibrated) covers them too, the gradient's share being 1/z_g^2 = 1/z^2 - sum_m 1/z_m^2,
+    and a ``budget`` prices them.
     """
     if not isinstance(data_loader, DataLoader):
         raise TypeError(f"data_loader must be a torch DataLoader, got {data_loader!r}")
@@ -154,6 +156,9 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     if statistics is not None and noise_multiplier is not None:  # the step's total
         noise_multiplier = batch_norm.gradient_noise_multiplier(noise_multiplier,
                                                                 len(statistics.layers))
+    metrics = tuple(metrics)
+    if metrics and noise_multiplier is not None:
+        noise_multiplier = _gradient_share(noise_multiplier, metrics)
     engine = PerExampleEngine(module, mode=mode, loss_reduction=loss_reduction, prefer=prefer,
                               check_independence=check_independence, batch_norm=statistics)
     try:
@@ -185,6 +190,25 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
         statistics.release = (aggregator.release if workers is None else
                               partial(workers.release_extra, aggregator))
     return module, private, loader
+
+
+def _gradient_share(total: float, metrics: tuple) -> float:
+    """The gradient's z when the ``metrics`` mechanisms are released on every step too:
+    1/z_g^2 = 1/z^2 - sum_m 1/z_m^2 (Eq. (1)), so that the step's multiplier is ``total``."""
+    for m in metrics:
+        if not isinstance(m, Mechanism):
+            raise TypeError(f"metrics must hold dpcore Mechanisms, got {m!r}")
+    if total == 0:
+        return 0.0  # no noise anywhere: a non-private run
+    spent = sum(m.noise_multiplier ** -2 if m.noise_multiplier > 0 else math.inf
+                for m in metrics)
+    left = total ** -2 - spent
+    if left <= 0:
+        raise ValueError(
+            f"the metrics {[g.name for m in metrics for g in m.groups]} spend all of the "
+            f"step's noise multiplier {total:.4g} (1/z^2 = {total ** -2:.4g} against "
+            f"{spent:.4g} for them): give their groups more noise")
+    return left ** -0.5
 
 
 def _opened(ledger, mechanism: Mechanism) -> Ledger:

@@ -68,7 +68,8 @@ def test_a_metric_under_a_budget_must_be_declared():
     noisy = dpcore.Mechanism((dpcore.Group("accuracy", ("correct", "loss"), 1.0, 4.0),))
     budget = dpcore.PrivacyBudget(8.0, 1e-5, accountant="rdp")
     model, opt, loader = private(budget=budget, metrics=[noisy])
-    assert opt.aggregator.next_noise_multiplier() == pytest.approx((1 + 1 / 16) ** -0.5)
+    assert opt.aggregator.next_noise_multiplier() == pytest.approx(1.0)  # the step's total
+    assert opt.noise_multiplier == pytest.approx((1 - 1 / 16) ** -0.5)  # the gradient's share
     x, y = next(iter(loader))
     out = model(x)
     F.cross_entropy(out, y).backward()
@@ -80,6 +81,31 @@ def test_a_metric_under_a_budget_must_be_declared():
     with pytest.raises(RuntimeError, match="not given as extra"):
         opt.release(metric(out, y), undeclared)
     assert [type(e) for e in opt.ledger.events] == [SamplingEvent] + [SumQueryEvent] * 2
+
+
+def test_the_target_epsilon_covers_the_metrics_released_every_step():
+    """The calibrated z is the step's total: a declared metric takes its share from the
+    gradient's (1/z_g^2 = 1/z^2 - 1/z_m^2), so the run with a metric released at every
+    step spends the target epsilon, not more."""
+    noisy = dpcore.Mechanism((dpcore.Group("accuracy", ("correct", "loss"), 1.0, 2.0),))
+    model, opt, loader = private(noise_multiplier=None, target_epsilon=3.0, target_delta=1e-5,
+                                 epochs=2, metrics=[noisy])
+    for _ in range(2):
+        for x, y in loader:
+            opt.zero_grad()
+            out = model(x)
+            F.cross_entropy(out, y).backward()
+            opt.step()
+            opt.release(metric(out, y), noisy)
+    steps = opt.ledger.steps()
+    assert sum(s.count for s in steps) == 20 and len(steps) == 1
+    z = steps[0].noise_multiplier
+    assert opt.noise_multiplier == pytest.approx((z ** -2 - 0.25) ** -0.5, rel=1e-12)
+    assert opt.epsilon(1e-5) == pytest.approx(3.0, rel=2e-3)
+    with pytest.raises(ValueError, match=r"metrics \['accuracy'\] spend all of the step's"):
+        private(noise_multiplier=2.5, metrics=[noisy])
+    with pytest.raises(TypeError, match="metrics must hold dpcore Mechanisms"):
+        private(metrics=["accuracy"])
 
 
 def test_no_metric_before_the_first_batch():
