@@ -21,6 +21,10 @@ from pathlib import Path
 import numpy as np
 
 DELTA = 1e-5
+# The training loss shown is released privately too, a query of every step that the target
+# epsilon covers: each record's loss clipped to LOSS_CLIP, noise of multiplier LOSS_SHARE z on
+# the sum, so it takes 1 / LOSS_SHARE^2 of the step's 1/z^2 (the gradient's z grows 0.8%)
+LOSS_CLIP, LOSS_SHARE = 4.0, 8.0
 
 
 def load_digits(seed: int):
@@ -60,30 +64,46 @@ def train_torch(data, args, *, private: bool, progress: bool = True):
     loader = DataLoader(train, batch_size=args.batch_size, shuffle=True,
                         generator=torch.Generator().manual_seed(args.seed))
     if private:
+        import dpcore
+        from dpcore.accounting import calibrate_noise_multiplier
         from dpcore_torch import make_private
+        from dpcore_torch.data import steps_per_epoch
 
+        q = args.batch_size / len(train)  # the z make_private calibrates, to size the loss's
+        z = calibrate_noise_multiplier(args.epsilon, DELTA, q=q,
+                                       steps=args.epochs * steps_per_epoch(q),
+                                       accountant=args.accountant)
+        loss_metric = dpcore.Mechanism((dpcore.Group("loss", ("loss",), LOSS_CLIP,
+                                                     LOSS_SHARE * z * LOSS_CLIP),))
         model, optimizer, loader = make_private(
             model, optimizer, loader, target_epsilon=args.epsilon, target_delta=DELTA,
             epochs=args.epochs, max_grad_norm=args.clip, ledger=args.ledger,
-            accountant=args.accountant, seed=args.seed if args.deterministic else None)
+            accountant=args.accountant, seed=args.seed if args.deterministic else None,
+            metrics=[loss_metric])
     curve, eps, step = [], math.inf, 0
     label = f"DP eps={args.epsilon:g}" if private else "non-private"
     for epoch in range(args.epochs):
         bar = tqdm(loader, desc=f"{label} epoch {epoch + 1}/{args.epochs}", leave=False,
                    disable=not progress)
+        losses = []  # the epoch's batch losses: released privately under DP
         for x, y in bar:
             optimizer.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
+            per_record = F.cross_entropy(model(x), y, reduction="none")
+            per_record.mean().backward()
             optimizer.step()
             step += 1
-            bar.set_postfix(loss=f"{loss.item():.3f}",
+            if private:  # the clipped average loss of the step's sample, with noise
+                values = {"loss": per_record.detach()[:, None]}
+                losses.append(optimizer.release(values, loss_metric)["loss"].item())
+            else:
+                losses.append(per_record.mean().item())
+            bar.set_postfix(loss=f"{np.mean(losses):.3f}",
                             eps=f"{eps:.2f}" if private else "inf")
         if private:
             eps = optimizer.epsilon(DELTA, accountant=args.accountant)
             curve.append((step, eps))
             if progress:
-                tqdm.write(f"{label} epoch {epoch + 1}: loss {loss.item():.3f}, "
+                tqdm.write(f"{label} epoch {epoch + 1}: loss {np.mean(losses):.3f} (private), "
                            f"epsilon so far {eps:.3f}")
     model.eval()
     with torch.no_grad():
@@ -132,9 +152,9 @@ def train_tensorflow(data, args, *, private: bool, progress: bool = True):
             def on_epoch_end(self, epoch, logs=None):
                 curve.append(((epoch + 1) * steps,
                               epsilon(model.aggregator.ledger, DELTA, accountant=args.accountant)))
-                if progress:
-                    print(f"DP eps={args.epsilon:g} epoch {epoch + 1}: loss {logs['loss']:.3f}, "
-                          f"epsilon so far {curve[-1][1]:.3f}")
+                if progress:  # Keras's loss of the batches is not private: not shown
+                    print(f"DP eps={args.epsilon:g} epoch {epoch + 1}: epsilon so far "
+                          f"{curve[-1][1]:.3f}")
         model.compile(optimizer=optimizer, loss=loss)
         model.fit(x_train, y_train, epochs=args.epochs, steps_per_epoch=steps, verbose=0,
                   callbacks=[Epsilon()])

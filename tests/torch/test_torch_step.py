@@ -405,16 +405,22 @@ def test_a_mechanism_of_ones_own_keeps_its_allocation_and_meets_the_target():
 
 
 def test_the_main_job_runs(tmp_path, capsys, load_example):
+    from dpcore import accounting
+
     pytest.importorskip("sklearn")
     pytest.importorskip("matplotlib")
     digits = load_example("digits")
     ledger, plot = tmp_path / "ledger.jsonl", tmp_path / "eps.png"
     digits.main(["--epochs", "2", "--epsilon", "4", "--ledger", str(ledger), "--plot", str(plot)])
     out = capsys.readouterr().out
-    assert "test accuracy" in out and "non-private" in out
+    assert "test accuracy" in out and "non-private" in out and "(private)" in out
     assert plot.stat().st_size > 0
-    steps = dpcore.read_ledger(ledger).steps()
+    read = dpcore.read_ledger(ledger)
+    steps = read.steps()
     assert sum(s.count for s in steps) == 2 * 22  # round(1437 / 64) steps per epoch
+    # the loss shown is a query of every step, and the target covers it
+    assert sum(getattr(e, "group", "") == "loss" for e in read.events) == 2 * 22
+    assert accounting.epsilon(read, 1e-5) == pytest.approx(4.0, rel=2e-3)
 
 
 @pytest.mark.parametrize("policy", ["raise", "drop"])
