@@ -125,8 +125,7 @@ class PrivateAggregator:
 
     def _enter(self, step: int) -> None:
         """Fix the mechanism of step ``step`` (``start_step - 1``: before the first), the
-        groups it releases
-        (with adaptive clipping's counts) and their ledger events."""
+        groups it releases (with adaptive clipping's counts) and their ledger events."""
         self._step = step
         self._extra_released = set()
         mechanism = self._policy.mechanism(max(step, 0))

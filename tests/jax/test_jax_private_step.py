@@ -518,6 +518,32 @@ def test_backend_private_gradient_is_the_fused_step_and_writes_the_ledger():
         private_grad(loss_fn, dpcore.PrivateAggregator(agg.mechanism, n=10, q=0.5))
 
 
+def test_a_metric_of_a_compiled_steps_sample_is_released_on_that_step():
+    """After a PrivateStep, the core's aggregator.release(values, mask=, mechanism=) releases
+    a metric of the same padded sample (JAX arrays, on the host) as a query of that step:
+    the clipped mean over q n (float64 oracle; padded rows left out), its event after the
+    gradient's, and noise of the std its event records."""
+    rng = np.random.default_rng(21)
+    loss_fn, params = models.model(rng, "logistic")
+    x, y = models.data(rng, "logistic", 12)
+    agg = aggregator(dpcore.flat(leaf_names(params), 1.0, 1.0), n=120, q=0.1, seed=3)
+    step = PrivateStep(loss_fn, optax.sgd(0.1), agg)
+    metric = dpcore.Mechanism((dpcore.Group("loss", ("loss",), 0.5, 0.0),))
+    noisy = dpcore.Mechanism((dpcore.Group("noisy", ("v",), 0.5, 50.0),))
+    agg.sample()
+    batch, mask = pad((x, y), np.arange(12), 16)
+    losses = loss_fn(params, batch)  # the sample's per-record losses, before the step
+    step(params, step.init(params), batch, mask)
+    got = agg.release({"loss": losses[:, None]}, mask=mask, mechanism=metric)["loss"]
+    want = np.minimum(np.float64(losses[:12]), 0.5).sum() / 12.0  # q n = 12
+    np.testing.assert_allclose(np.asarray(got), [want], rtol=1e-6)
+    draws = np.asarray(agg.release({"v": jnp.zeros((16, 4000))}, mask=mask,
+                                   mechanism=noisy)["v"]) * 12.0
+    assert np.std(draws) == pytest.approx(50.0, rel=0.05)  # 4.5 standard errors
+    groups = [getattr(e, "group", None) for e in agg.ledger.events]
+    assert groups == [None, "all", "loss", "noisy"]
+
+
 def test_the_main_job_runs_with_the_jax_backend(tmp_path, capsys, load_example):
     pytest.importorskip("sklearn")
     pytest.importorskip("matplotlib")
