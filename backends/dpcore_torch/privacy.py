@@ -161,6 +161,7 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
         noise_multiplier = _gradient_share(noise_multiplier, metrics)
     engine = PerExampleEngine(module, mode=mode, loss_reduction=loss_reduction, prefer=prefer,
                               check_independence=check_independence, batch_norm=statistics)
+    given = ledger
     try:
         mechanism = build_mechanism(clipping, engine.leaf_sizes, max_grad_norm,
                                     noise_multiplier)
@@ -179,6 +180,8 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
                       workers.agree(build, lambda: f"q={q}, n={n} and {mechanism}"))
     except BaseException:
         engine.detach()  # the model as it was: make_private can be called again
+        if isinstance(ledger, Ledger) and ledger is not given:
+            ledger.close()  # the file opened here (its lock) too
         raise
     loader = poisson_loader(  # the aggregator's sampler: the backend's, which conformance tests
         data_loader.dataset, q, sampler=aggregator.sampler, collate_fn=data_loader.collate_fn,
