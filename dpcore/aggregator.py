@@ -78,22 +78,41 @@ class PrivateAggregator:
                              f"got {on_nonfinite!r}")
         self.on_nonfinite = on_nonfinite
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
-        if not isinstance(ledger, Ledger):
-            ledger = Ledger(ledger, record=mechanism.record,
-                            microbatch_size=mechanism.microbatch_size)
-        elif (ledger.header.record, ledger.header.microbatch_size) != (
-                mechanism.record, mechanism.microbatch_size):
-            raise ValueError(f"ledger is for record={ledger.header.record!r}, the mechanism for "
-                             f"record={mechanism.record!r}")
-        self.ledger = ledger
-        self.start_step = ledger.samplings  # a resumed run continues the ledger's steps
-        self._sampling = SamplingEvent(self.q, self.n)  # every step's (immutable) event
         self.secure = bool(secure)
+        if self.secure and seed is not None:
+            raise ValueError(f"secure=True draws from the system's cryptographically secure "
+                             f"generator, which takes no seed (got seed={seed!r}): a seed "
+                             f"would make the noise predictable")
+        self._policy = (FixedClipping(mechanism) if clipping is None
+                        else clipping.bind(mechanism, self.expected_size))
+        self.budget = budget
+        self.extra = tuple(extra)
+        for m in self.extra:
+            if not isinstance(m, Mechanism):
+                raise TypeError(f"extra must hold dpcore Mechanisms, got {m!r}")
+        names = [g.name for m in (mechanism, *self.extra) for g in m.groups]
+        if len(set(names)) < len(names):
+            raise ValueError(f"the extra mechanisms' group names must differ from each other "
+                             f"and from the aggregator's: {sorted(names)}")
+        given = isinstance(ledger, Ledger)
+        if given and (ledger.header.record, ledger.header.microbatch_size) != (
+                mechanism.record, mechanism.microbatch_size):
+            raise ValueError(f"ledger is for record={ledger.header.record!r}, the mechanism "
+                             f"for record={mechanism.record!r}")
+        self.ledger = ledger if given else Ledger(ledger, record=mechanism.record,
+                                                  microbatch_size=mechanism.microbatch_size)
+        try:
+            self._start(seed)
+        except BaseException:
+            if not given:  # its lock would outlive the error where a traceback keeps this
+                self.ledger.close()  # frame (a notebook): the file is closed again
+            raise
+
+    def _start(self, seed) -> None:
+        """Sampling, noise and the first mechanism, from the steps the ledger holds."""
+        self.start_step = self.ledger.samplings  # a resumed run continues the ledger's steps
+        self._sampling = SamplingEvent(self.q, self.n)  # every step's (immutable) event
         if self.secure:
-            if seed is not None:
-                raise ValueError(f"secure=True draws from the system's cryptographically "
-                                 f"secure generator, which takes no seed (got seed={seed!r}): "
-                                 f"a seed would make the noise predictable")
             self.sampler = SecurePoissonSampler(self.n, self.q)
             self.rng = SecureGenerator()
             self.standard_normal = SecureStandardNormal(self.backend)
@@ -107,17 +126,6 @@ class PrivateAggregator:
             self.rng = self.backend.rng(
                 None if seed is None else int(noise_seed.generate_state(1, np.uint64)[0] >> 1))
             self.standard_normal = self.backend.standard_normal
-        self._policy = (FixedClipping(mechanism) if clipping is None
-                        else clipping.bind(mechanism, self.expected_size))
-        self.budget = budget
-        self.extra = tuple(extra)
-        for m in self.extra:
-            if not isinstance(m, Mechanism):
-                raise TypeError(f"extra must hold dpcore Mechanisms, got {m!r}")
-        names = [g.name for m in (mechanism, *self.extra) for g in m.groups]
-        if len(set(names)) < len(names):
-            raise ValueError(f"the extra mechanisms' group names must differ from each other "
-                             f"and from the aggregator's: {sorted(names)}")
         self._extra_released: set[int] = set()  # under a budget: extra released this step
         self._mechanism = None
         self._last_release = -1  # the last step released

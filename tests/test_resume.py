@@ -127,3 +127,17 @@ def test_an_earlier_checkpoint_than_the_ledger_continues_at_the_ledger_s_step(tm
     resumed.load_state_dict(state)
     resumed.sample()
     assert resumed.step == 5 and ledger.samplings == 6
+
+
+def test_a_failed_aggregator_leaves_its_ledger_file_unlocked(tmp_path):
+    """Bad settings are refused before the file is opened, or the file is closed again: a
+    traceback that keeps the failed constructor's frame (a notebook) must not keep its lock,
+    so the corrected call can open the ledger."""
+    path = tmp_path / "run.jsonl"
+    with pytest.raises(ValueError, match="takes no seed"):
+        PrivateAggregator(MECHANISM, n=N, q=Q, ledger=path, secure=True, seed=1)
+    assert not path.exists()
+    with pytest.raises(ValueError, match="clip schedule factor at step 0"):
+        PrivateAggregator(MECHANISM, n=N, q=Q, ledger=path,
+                          clipping=ClipSchedule(lambda step: -1.0))
+    PrivateAggregator(MECHANISM, n=N, q=Q, ledger=path).ledger.close()
