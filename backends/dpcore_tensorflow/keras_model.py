@@ -175,8 +175,8 @@ class PrivateModel(keras.Model):
                         state.check_source = None
                 else:
                     iterator, peek = _check_next_batch(dp, iterator), False
-            if peek:  # the end of the data records no step
-                iterator = _next_batch(iterator)[1]
+            if peek:  # the end of the data records no step; Keras traces the step for a
+                iterator = iter([_next_batch(iterator)])  # batch alone once, then reuses it
             inputs = dp.record_step()  # ledger first
             if inputs != state.assigned:  # clips or noise moved (or first step)
                 state.clips.assign(inputs[0])
@@ -274,26 +274,27 @@ def _for_replicas(dataset: tf.data.Dataset, replicas: int) -> tf.data.Dataset:
 
 
 def _next_batch(iterator):
-    """The next batch of ``iterator`` (``StopIteration`` at its end) and an iterator over that
-    one batch, of the same element type (the compiled step is not traced again)."""
+    """The next batch of ``iterator`` (a dataset's or a distributed one); ``StopIteration``
+    at its end."""
     if isinstance(iterator, tf.data.Iterator):
         optional = iterator.get_next_as_optional()
         if not optional.has_value():
             raise StopIteration
-        data = optional.get_value()
-        return data, iter(tf.data.Dataset.from_generator(
-            lambda: iter([data]), output_signature=iterator.element_spec))
-    data = next(iter(iterator))
-    return data, iter([data])
+        return optional.get_value()
+    return next(iter(iterator))
 
 
 def _check_next_batch(dp: PrivateGradients, iterator):
     """Check the next batch of ``iterator`` for mixing of the examples (:meth:`PrivateGradients.
-    check`); an iterator over that one batch (:func:`_next_batch`)."""
-    data, iterator = _next_batch(iterator)
+    check`); an iterator over that one batch, of the same element type (the compiled step
+    is not traced again)."""
+    data = _next_batch(iterator)
     x, y, mask = keras.utils.unpack_x_y_sample_weight(data)
     dp.check(x, y, mask)
-    return iterator
+    if isinstance(iterator, tf.data.Iterator):
+        return iter(tf.data.Dataset.from_generator(lambda: iter([data]),
+                                                   output_signature=iterator.element_spec))
+    return iter([data])
 
 
 def build_mechanism(model: keras.Model, clipping, max_grad_norm: float,
