@@ -69,16 +69,16 @@ def train_torch(data, args, *, private: bool, progress: bool = True):
         from dpcore_torch import make_private
         from dpcore_torch.data import steps_per_epoch
 
-        q = args.batch_size / len(train)  # the z make_private calibrates, to size the loss's
+        # z for the planned steps, calibrated once: the step's total, which sizes the loss's
+        q = args.batch_size / len(train)  # noise; make_private gives the gradient the rest
         z = calibrate_noise_multiplier(args.epsilon, DELTA, q=q,
                                        steps=args.epochs * steps_per_epoch(q),
                                        accountant=args.accountant)
         loss_metric = dpcore.Mechanism((dpcore.Group("loss", ("loss",), LOSS_CLIP,
                                                      LOSS_SHARE * z * LOSS_CLIP),))
         model, optimizer, loader = make_private(
-            model, optimizer, loader, target_epsilon=args.epsilon, target_delta=DELTA,
-            epochs=args.epochs, max_grad_norm=args.clip, ledger=args.ledger,
-            accountant=args.accountant, seed=args.seed if args.deterministic else None,
+            model, optimizer, loader, noise_multiplier=z, max_grad_norm=args.clip,
+            ledger=args.ledger, seed=args.seed if args.deterministic else None,
             metrics=[loss_metric])
     curve, eps, step = [], math.inf, 0
     label = f"DP eps={args.epsilon:g}" if private else "non-private"
