@@ -11,7 +11,7 @@ from .backend import Backend
 from .budget import BudgetExhaustedError, PrivacyBudget
 from .ledger import Ledger, LedgerError, SamplingEvent, Step, SumQueryEvent, read_ledger
 from .plugins import available_backends, get_backend
-from .queries import Group, Mechanism, effective_noise_multiplier
+from .queries import Group, Mechanism, effective_noise_multiplier, noise_multiplier_left
 from .sampling import PoissonSampler, poisson_sample
 from .schedules import ClipSchedule
 
@@ -21,6 +21,6 @@ __all__ = [
     "Backend", "BudgetExhaustedError", "ClipSchedule", "Group", "Ledger", "LedgerError",
     "Mechanism", "PoissonSampler", "PrivacyBudget", "PrivateAggregator", "QuantileClipping",
     "SamplingEvent", "Step", "SumQueryEvent", "available_backends",
-    "effective_noise_multiplier", "flat", "get_backend", "grouped", "per_layer",
-    "poisson_sample", "read_ledger",
+    "effective_noise_multiplier", "flat", "get_backend", "grouped", "noise_multiplier_left",
+    "per_layer", "poisson_sample", "read_ledger",
 ]

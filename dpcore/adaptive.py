@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from array_api_compat import array_namespace
 
 from . import _validation as check
-from .queries import Group, Mechanism
+from .queries import Group, Mechanism, noise_multiplier_left
 
 UPDATES = ("geometric", "linear")
 COUNT_PREFIX = "unclipped_count:"
@@ -63,17 +63,10 @@ class QuantileClipping:
 def gradient_noise_multiplier(total: float, count_noise_std: float, groups: int = 1) -> float:
     """z_delta such that the gradient groups and ``groups`` counts together have multiplier
     ``total``: 1/z_delta^2 = 1/total^2 - groups/(2 sigma_b)^2."""
-    total = check.non_negative("noise_multiplier", total)
     sigma_b = check.non_negative("count_noise_std", count_noise_std)
-    if total == 0:
-        return 0.0  # no noise anywhere: a non-private run
-    rest = total ** -2 - (groups / (2 * sigma_b) ** 2 if sigma_b > 0 else math.inf)
-    if rest <= 0:
-        raise ValueError(
-            f"count noise sigma_b={sigma_b!r} is too small for a total noise multiplier "
-            f"{total!r} over {groups} count(s): it needs sigma_b > sqrt({groups}) z / 2 = "
-            f"{math.sqrt(groups) * total / 2!r}")
-    return rest ** -0.5
+    return noise_multiplier_left(
+        total, [2 * sigma_b] * groups, f"{groups} count(s) at sigma_b={sigma_b!r}",
+        f"sigma_b must exceed sqrt({groups}) z / 2 = {math.sqrt(groups) * total / 2!r}")
 
 
 def update_clip(clip: float, unclipped_fraction: float, config: QuantileClipping) -> float:

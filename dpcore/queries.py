@@ -53,6 +53,31 @@ def effective_noise_multiplier(tuples: Iterable[tuple[float, float]]) -> float:
     return math.inf if total == 0 else total ** -0.5
 
 
+def noise_multiplier_left(total: float, others: Iterable[float], spent_by: str,
+                          advice: str) -> float:
+    """The multiplier z_left of one more query of a step whose other queries (on the same
+    sample) have multipliers ``others``, so that the step's multiplier is ``total`` by Eq. (1):
+    1/z_left^2 = 1/total^2 - sum_m 1/z_m^2. ``total`` 0 gives 0 (a non-private run); others
+    leaving nothing raise ValueError, naming them (``spent_by``) and what to do (``advice``)."""
+    total = check.non_negative("noise_multiplier", total)
+    if total == 0:
+        return 0.0
+    spent = sum(_precision(check.non_negative("noise_multiplier", z, allow_inf=True))
+                for z in others)
+    left = _precision(total) - spent
+    if not left > 0:
+        raise ValueError(f"{spent_by} spend all of the step's noise multiplier {total:.4g} "
+                         f"(1/z^2 = {_precision(total):.4g} against {spent:.4g} for them): "
+                         f"{advice}")
+    return left ** -0.5
+
+
+def _precision(z: float) -> float:
+    """1 / z^2, ``inf`` for 0 and for z so small that z^2 underflows."""
+    squared = z * z
+    return math.inf if squared == 0 else 1 / squared
+
+
 @dataclass(frozen=True)
 class Group:
     """Leaves clipped together to L2 norm ``clip`` (S_g), with noise of standard deviation

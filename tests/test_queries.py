@@ -5,7 +5,7 @@ import pickle
 
 import pytest
 
-from dpcore.queries import Group, Mechanism, effective_noise_multiplier
+from dpcore.queries import Group, Mechanism, effective_noise_multiplier, noise_multiplier_left
 
 
 def test_eq1_combines_privacy_tuples():
@@ -15,6 +15,21 @@ def test_eq1_combines_privacy_tuples():
     assert effective_noise_multiplier([(2.0, 3.0)]) == pytest.approx(1.5)
     assert effective_noise_multiplier([]) == math.inf
     assert effective_noise_multiplier([(1.0, 1.0), (1.0, 0.0)]) == 0.0
+
+
+def test_the_multiplier_left_completes_the_step_by_eq1():
+    for total, others in [(1.0, [5.0]), (0.7, [2.0, 3.0, 40.0]), (2.0, [])]:
+        left = noise_multiplier_left(total, others, "they", "advice")
+        tuples = [(1.0, z) for z in (left, *others)]
+        assert effective_noise_multiplier(tuples) == pytest.approx(total, rel=1e-12)
+    assert noise_multiplier_left(0.0, [1.0], "they", "advice") == 0.0  # non-private run
+    with pytest.raises(ValueError, match=r"^the counts spend all of the step's noise "
+                                         r"multiplier 1 \(1/z\^2 = 1 against 1\.04 .*: more"):
+        noise_multiplier_left(1.0, [5.0, 1.0], "the counts", "more")
+    with pytest.raises(ValueError, match="spend all"):
+        noise_multiplier_left(1.0, [0.0], "a noiseless query", "add noise")
+    with pytest.raises(ValueError, match="noise_multiplier must be finite and >= 0, got -1"):
+        noise_multiplier_left(-1.0, [], "they", "advice")
 
 
 def test_mechanism_noise_multiplier_and_leaves():

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpcore import Group, Mechanism
+from dpcore import Group, Mechanism, noise_multiplier_left
 from dpcore import _validation as check
 
 from .fallback import replaying
@@ -62,14 +62,11 @@ class BatchNormStatistics:
 
     def gradient_noise_multiplier(self, total: float, layers: int) -> float:
         """z_g with 1/z_g^2 + layers/z_bn^2 = 1/total^2 (Eq. (1))."""
-        left = total ** -2 - layers * self.noise_multiplier ** -2
-        if not left > 0:
-            raise ValueError(
-                f"the {layers} BatchNorm layer(s)' statistics at noise_multiplier="
-                f"{self.noise_multiplier} spend all of the step's noise multiplier {total:.4g} "
-                f"(1/z^2 = {total ** -2:.4g} against {layers * self.noise_multiplier ** -2:.4g}"
-                f"): raise the statistics' noise_multiplier above {total * math.sqrt(layers):.4g}")
-        return left ** -0.5
+        return noise_multiplier_left(
+            total, [self.noise_multiplier] * layers,
+            f"the {layers} BatchNorm layer(s)' statistics at noise_multiplier="
+            f"{self.noise_multiplier}",
+            f"raise the statistics' noise_multiplier above {total * math.sqrt(layers):.4g}")
 
 
 class PrivateStatistics:

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dpcore import Ledger, Mechanism, PrivateAggregator, QuantileClipping, flat, per_layer
+from dpcore import (Ledger, Mechanism, PrivateAggregator, QuantileClipping, flat,
+                    noise_multiplier_left, per_layer)
 
 from .batch_norm import BatchNormStatistics, PrivateStatistics
 from .data import poisson_loader, sample_rate_of, steps_per_epoch
@@ -196,22 +197,15 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
 
 
 def _gradient_share(total: float, metrics: tuple) -> float:
-    """The gradient's z when the ``metrics`` mechanisms are released on every step too:
-    1/z_g^2 = 1/z^2 - sum_m 1/z_m^2 (Eq. (1)), so that the step's multiplier is ``total``."""
+    """The gradient's z when the ``metrics`` mechanisms are released on every step too, so
+    that the step's multiplier is ``total``."""
     for m in metrics:
         if not isinstance(m, Mechanism):
             raise TypeError(f"metrics must hold dpcore Mechanisms, got {m!r}")
-    if total == 0:
-        return 0.0  # no noise anywhere: a non-private run
-    spent = sum(m.noise_multiplier ** -2 if m.noise_multiplier > 0 else math.inf
-                for m in metrics)
-    left = total ** -2 - spent
-    if left <= 0:
-        raise ValueError(
-            f"the metrics {[g.name for m in metrics for g in m.groups]} spend all of the "
-            f"step's noise multiplier {total:.4g} (1/z^2 = {total ** -2:.4g} against "
-            f"{spent:.4g} for them): give their groups more noise")
-    return left ** -0.5
+    return noise_multiplier_left(
+        total, [m.noise_multiplier for m in metrics],
+        f"the metrics {[g.name for m in metrics for g in m.groups]}",
+        "give their groups more noise")
 
 
 def _opened(ledger, mechanism: Mechanism) -> Ledger:

@@ -210,6 +210,9 @@ def test_what_cannot_be_priced_or_bound_is_refused():
 
     with pytest.raises(ValueError, match=r"raise the statistics' noise_multiplier above 2\.828"):
         private(convnet(), BatchNormStatistics(3.0, 2.5), noise_multiplier=2.0)
+    _, opt, _ = private(convnet(), noise_multiplier=0.0)  # a non-private run, not 1/0
+    assert opt.noise_multiplier == 0.0
+    opt.engine.detach()
     with pytest.raises(ValueError, match="has no BatchNorm layer"):
         private(nn.Sequential(nn.Flatten(), nn.Linear(64, 3)))
     with pytest.raises(TypeError, match="BatchNormStatistics"):
