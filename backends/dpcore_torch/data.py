@@ -91,9 +91,28 @@ def _is_value(item) -> bool:
     return not (hasattr(item, "shape") or isinstance(item, (Mapping, list, tuple)))
 
 
+class PoissonLoader(DataLoader):
+    """A DataLoader of Poisson samples that counts the samples it has handed out
+    (``samples_given``), so that a step can tell which sample its micro-batches came from."""
+
+    samples_given = 0
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            self.samples_given += 1
+            yield batch
+
+
+#: What a DataLoader's settings hold besides its dataset, sampling and collation: what
+#: :func:`dpcore_torch.make_private` passes on to the Poisson loader replacing it.
+LOADER_OPTIONS = ("num_workers", "pin_memory", "timeout", "worker_init_fn",
+                  "multiprocessing_context", "generator", "prefetch_factor",
+                  "persistent_workers", "pin_memory_device", "in_order")
+
+
 def poisson_loader(dataset: Dataset, q: float, *, steps: int | None = None, seed=None,
                    sampler: PoissonSampler | None = None, shard: tuple[int, int] | None = None,
-                   collate_fn=None, **loader_kwargs) -> DataLoader:
+                   collate_fn=None, **loader_kwargs) -> PoissonLoader:
     """A DataLoader of Poisson samples of ``dataset`` at rate ``q``, drawn from ``sampler``
     (see :class:`PoissonBatchSampler`, also for ``shard``) or a new sampler seeded with
     ``seed`` (``loader_kwargs`` such as ``num_workers`` or ``pin_memory`` are passed on).
@@ -102,9 +121,9 @@ def poisson_loader(dataset: Dataset, q: float, *, steps: int | None = None, seed
     if n == 0:
         raise ValueError("cannot sample from an empty dataset")
     batches = PoissonBatchSampler(n, q, steps=steps, seed=seed, sampler=sampler, shard=shard)
-    loader = DataLoader(dataset, batch_sampler=batches,
-                        collate_fn=_EmptySafeCollate(dataset, collate_fn or default_collate),
-                        **loader_kwargs)
+    loader = PoissonLoader(dataset, batch_sampler=batches,
+                           collate_fn=_EmptySafeCollate(dataset, collate_fn or default_collate),
+                           **loader_kwargs)
     loader.sample_rate = q
     return loader
 

@@ -9,11 +9,14 @@ post-processing of the private release, so momentum, Adam or weight decay cost n
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from dpcore import PrivateAggregator
 
 from .distributed import Workers
+from .data import PoissonLoader
 from .engine import NOT_COPIED, PerExampleEngine
 from .step import clip_into
 
@@ -23,7 +26,8 @@ class PrivateOptimizer(torch.optim.Optimizer):
     wrapped optimizer, so learning-rate schedulers and checkpoints work on either."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, engine: PerExampleEngine,
-                 aggregator: PrivateAggregator, *, workers: Workers | None = None):
+                 aggregator: PrivateAggregator, *, workers: Workers | None = None,
+                 loader: PoissonLoader | None = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
         self.engine = engine
@@ -38,6 +42,8 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self._pending = None  # (noise draws, clip factors) of a step being accumulated
         self._failed = None  # what made a micro-batch of that step fail (across processes)
         self._stepped_at = 0  # the engine's batch count at the last step released
+        self._loader = loader  # the run's Poisson loader: which sample a step's parts are of
+        self._begun_on = None  # the loader's samples handed out when the step began
 
     def __reduce_ex__(self, protocol):
         """Refused (:meth:`PerExampleEngine.__reduce_ex__`): torch's optimizers copy and pickle
@@ -121,8 +127,22 @@ class PrivateOptimizer(torch.optim.Optimizer):
     def begin(self) -> int:
         """Begin the step (its sampling event, its noise draws) unless it has begun; its
         number. ``step()`` (or the first ``accumulate()``) begins it, or, before them, the
-        first BatchNorm layer releasing its statistics in the forward pass."""
+        first BatchNorm layer releasing its statistics in the forward pass.
+
+        A step begun on an earlier sample of the loader and never taken (the loop skipped
+        the rest of that sample after an error) is abandoned, with a warning, nothing of it
+        released: adding this sample into it would release two samples as one."""
+        if self._pending is not None and self._loader is not None and (
+                self._loader.samples_given != self._begun_on):
+            warnings.warn(
+                f"step {self.aggregator.step} was begun on an earlier batch of the loader and "
+                f"never taken by step(): it is abandoned, nothing of it released, and this "
+                f"batch begins a new step (call step() once per batch of the loader)",
+                RuntimeWarning, stacklevel=3)
+            self._pending, self._failed = None, None
         if self._pending is None:
+            if self._loader is not None:
+                self._begun_on = self._loader.samples_given
             self.aggregator.begin_step()
             noise = self.workers is None or self.workers.draws_noise
             self._pending = (self.aggregator.noise_draws(self.engine.params, noise=noise), [])

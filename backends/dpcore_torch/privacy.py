@@ -23,7 +23,7 @@ from dpcore import (Ledger, Mechanism, PrivateAggregator, QuantileClipping, flat
                     noise_multiplier_left, per_layer)
 
 from .batch_norm import BatchNormStatistics, PrivateStatistics
-from .data import poisson_loader, sample_rate_of, steps_per_epoch
+from .data import LOADER_OPTIONS, poisson_loader, sample_rate_of, steps_per_epoch
 from .distributed import Workers
 from .engine import PerExampleEngine
 from .optimizer import PrivateOptimizer
@@ -187,8 +187,8 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     loader = poisson_loader(  # the aggregator's sampler: the backend's, which conformance tests
         data_loader.dataset, q, sampler=aggregator.sampler, collate_fn=data_loader.collate_fn,
         shard=None if workers is None else workers.shard,
-        num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory)
-    private = PrivateOptimizer(optimizer, engine, aggregator, workers=workers)
+        **{option: getattr(data_loader, option) for option in LOADER_OPTIONS})
+    private = PrivateOptimizer(optimizer, engine, aggregator, workers=workers, loader=loader)
     if statistics is not None:  # released on the optimizer's step, by its aggregator
         statistics.begin = private.begin
         statistics.release = (aggregator.release if workers is None else

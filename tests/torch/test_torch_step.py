@@ -1,6 +1,7 @@
 """The private step end to end: make_private, the optimizer wrapper, noise against the ledger,
 Poisson loading, and the backend's registration and contract."""
 
+import contextlib
 import math
 import subprocess
 import sys
@@ -154,6 +155,24 @@ def test_make_private_samples_with_the_registered_backends_sampler():
         poisson_loader(ds, 0.2, sampler=dpcore.PoissonSampler(40, 0.2))
     with pytest.raises(ValueError, match="give seed or sampler, not both"):
         poisson_loader(ds, 0.2, seed=1, sampler=dpcore.PoissonSampler(50, 0.2))
+
+
+def test_make_private_keeps_the_loaders_worker_settings():
+    """Everything of the DataLoader but its batching (which Poisson sampling replaces) is
+    the private loader's too: workers, their seeding and start-up, pinning, timeouts."""
+    def start(worker):
+        pass
+
+    settings = dict(num_workers=1, pin_memory=True, timeout=30.0, worker_init_fn=start,
+                    multiprocessing_context="spawn", generator=torch.Generator(),
+                    prefetch_factor=3, persistent_workers=True, in_order=False)
+    model = mlp()
+    _, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  DataLoader(data(), batch_size=5, **settings),
+                                  noise_multiplier=1.0, max_grad_norm=1.0)
+    for name, value in settings.items():
+        kept = getattr(loader, name)
+        assert (kept._name if name == "multiprocessing_context" else kept) == value, name
 
 
 def test_poisson_loader_sizes_and_empty_batches():
@@ -607,6 +626,39 @@ def test_a_sample_accumulated_over_micro_batches_is_the_same_step(policy, last):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert kinds_one == kinds_micro and kinds_one.count("SamplingEvent") == 2
     assert clip_one == pytest.approx(clip_micro, rel=1e-9)
+
+
+def test_a_step_left_by_a_skipped_batch_is_abandoned_not_merged_into_the_next():
+    """A loop that skips the rest of a sample after an error in one of its micro-batches
+    (out of memory, say) has accumulated part of it: the next batch of the loader begins a
+    new step, with a warning, and the abandoned part is not released with it (a record in
+    both samples would count twice in one release priced once). Same parameters as a run
+    that skipped that batch before accumulating anything; the ledger's abandoned step has
+    its sampling event and no release."""
+    ds = data()
+    results = []
+    for skip_after in (1, 0):  # micro-batches accumulated before the error
+        model = mlp()
+        model, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                          DataLoader(ds, batch_size=12), noise_multiplier=0.0,
+                                          max_grad_norm=0.5, seed=3)
+        with pytest.warns(RuntimeWarning, match="never taken by step") if skip_after else (
+                contextlib.nullcontext()):
+            for batch, (x, y) in enumerate(loader):
+                for k, rows in enumerate(torch.arange(len(x)).split(4)):
+                    if batch == 0 and k == skip_after:
+                        break  # the error: the rest of this sample is skipped
+                    opt.zero_grad()
+                    F.cross_entropy(model(x[rows]), y[rows]).backward()
+                    opt.accumulate()
+                else:
+                    opt.step()
+        kinds = [type(e).__name__ for e in opt.ledger.events]
+        results.append(([p.detach().clone() for p in model.parameters()], kinds))
+    (skipped, kinds), (reference, reference_kinds) = results
+    for a, b in zip(skipped, reference):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert kinds == ["SamplingEvent"] + reference_kinds
 
 
 def test_adversarial_inputs_from_autograd_grad_then_zero_grad_train_on_them_alone():
