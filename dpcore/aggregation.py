@@ -37,6 +37,20 @@ def _flat(x, xp, batch: int):
     return xp.reshape(x, (batch, math.prod(x.shape[1:])))
 
 
+def as_floating(per_record: Mapping[str, object]) -> Mapping[str, object]:
+    """``per_record`` with its bool and integer leaves in the namespace's default real floating
+    dtype: squared in their own dtype they overflow (an int8 100 squares to 16), weighted by
+    clip factors they turn the factors into 0 or 1, and bools add up as a logical or."""
+    converted = {}
+    for leaf, a in per_record.items():
+        xp = array_namespace(a)
+        if not xp.isdtype(a.dtype, "real floating"):
+            where = device(a)
+            wanted = xp.__array_namespace_info__().default_dtypes(device=where)["real floating"]
+            converted[leaf] = xp.astype(a, wanted)
+    return {**per_record, **converted} if converted else per_record
+
+
 def per_leaf_sq_norms(per_record: Mapping[str, object], leaves: Sequence[str]):
     """Squared L2 norm of every record's every leaf: array (B, L), columns in ``leaves`` order."""
     arrays = [per_record[leaf] for leaf in leaves]

@@ -71,7 +71,7 @@ class PrivateAggregator:
                  extra: Sequence[Mechanism] = ()):
         if not isinstance(mechanism, Mechanism):
             raise TypeError(f"mechanism must be a dpcore Mechanism, got {mechanism!r}")
-        self.n = check.count("n", n)
+        self.n = check.count("n", n, minimum=1)  # q n divides every release
         self.q = check.probability("q", q)
         if on_nonfinite not in aggregation.NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite must be one of {aggregation.NONFINITE_POLICIES}, "
@@ -410,6 +410,7 @@ class PrivateAggregator:
         """(clip factors (B, G), clipped sums by leaf) of ``per_record`` under ``mechanism``."""
         mechanism.check_leaves(per_record)
         self._refuse_traced(per_record)
+        per_record = aggregation.as_floating(per_record)
         leaves = mechanism.leaves
         factors = self._clip_factors(aggregation.per_leaf_sq_norms(per_record, leaves),
                                      mechanism, mask)

@@ -77,6 +77,8 @@ def grouped(groups: Mapping[str, Sequence[str]], leaf_sizes: Mapping[str, int], 
     the target z split by the chosen strategies. ``leaf_sizes`` maps leaf -> number of entries."""
     if not groups:
         raise ValueError("need at least one group")
+    groups = {name: (leaves,) if isinstance(leaves, str) else tuple(leaves)  # one leaf, named
+              for name, leaves in groups.items()}
     missing = sorted({leaf for leaves in groups.values() for leaf in leaves} - set(leaf_sizes))
     if missing:
         raise ValueError(f"leaf_sizes lacks the size of leaves {missing}")

@@ -28,8 +28,10 @@ class NumpyBackend(Backend):
         return np.random.default_rng(seed)
 
     def standard_normal(self, rng, shape, like):
+        """Drawn in float64 or float32 (NumPy's generator has no other), then cast."""
         dtype = like.dtype if np.issubdtype(like.dtype, np.floating) else np.float64
-        return rng, rng.standard_normal(shape, dtype=dtype)
+        drawn = np.float32 if np.finfo(dtype).bits < 32 else dtype
+        return rng, rng.standard_normal(shape, dtype=drawn).astype(dtype, copy=False)
 
 
 @hookimpl

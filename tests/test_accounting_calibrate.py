@@ -4,6 +4,7 @@ import pytest
 
 from dpcore.accounting import (calibrate_noise_multiplier, calibrate_sampling_rate,
                                calibrate_steps, epsilon)
+from dpcore.accounting.pld import MIN_NOISE_MULTIPLIER
 
 
 @pytest.mark.parametrize("accountant", ["pld", "rdp"])
@@ -11,6 +12,18 @@ def test_noise_multiplier(accountant):
     z = calibrate_noise_multiplier(2.0, 1e-5, 0.01, 1000, accountant=accountant)
     assert epsilon([(0.01, z, 1000)], 1e-5, accountant=accountant) <= 2.0
     assert epsilon([(0.01, z * (1 - 1e-3), 1000)], 1e-5, accountant=accountant) > 2.0
+
+
+def test_noise_multiplier_near_the_smallest_the_pld_accountant_prices():
+    """The search stops at the PLD accountant's smallest z (it went below it and failed
+    where the answer lay above it); an answer below it is refused naming the RDP one."""
+    z = calibrate_noise_multiplier(3000.0, 1e-5, 0.01, 10)
+    assert z >= MIN_NOISE_MULTIPLIER and epsilon([(0.01, z, 10)], 1e-5) <= 3000.0
+    with pytest.raises(ValueError, match="the smallest the PLD accountant prices; use "
+                                         "accountant='rdp'"):
+        calibrate_noise_multiplier(1e6, 1e-5, 0.01, 10)
+    z = calibrate_noise_multiplier(1e6, 1e-5, 0.01, 10, accountant="rdp")
+    assert z < MIN_NOISE_MULTIPLIER and epsilon([(0.01, z, 10)], 1e-5, accountant="rdp") <= 1e6
 
 
 def test_sampling_rate():

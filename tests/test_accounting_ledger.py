@@ -96,6 +96,8 @@ def test_guarantee_fields():
     (lambda: remaining_steps([], 0.1, 1.0, -1.0, 1e-5), ValueError, "target_epsilon must be"),
     (lambda: remaining_steps([], 1.1, 1.0, 1.0, 1e-5), ValueError, "q"),
     (lambda: epsilon([(0.1, 1.0, 2.5)], 1e-5), TypeError, "steps must be an integer"),
+    (lambda: epsilon([(0.1, 1.0, 10 ** 19)], 1e-5, accountant="rdp"), ValueError,
+     r"steps must be at most 2\^53"),
     (lambda: epsilon([(0.1,)], 1e-5), TypeError, r"\(q, z\[, count\]\)"),
     (lambda: epsilon("/nonexistent/ledger.jsonl", 1e-5), LedgerError, "cannot read ledger"),
 ])

@@ -220,6 +220,13 @@ def test_a_noise_multiplier_too_small_for_float64_profiles_is_refused(z):
     assert PLDAccountant([(0.5, 0.03, 10)]).epsilon(1e-5) > 10 * 0.5 / 0.03 ** 2
 
 
+def test_more_steps_than_the_grid_can_compose_are_refused():
+    """10^13 steps: the grid coarsened until exp of a bin's width overflowed (OverflowError
+    from deep inside); refused, with RDP named."""
+    with pytest.raises(ValueError, match="too many for the PLD accountant's grid.*'rdp'"):
+        PLDAccountant([(0.01, 1.0, 10 ** 13)]).epsilon(1e-5)
+
+
 def test_a_delta_below_the_discretisation_takes_the_rdp_bound():
     """At delta below the PLD's resolution (its tails and rounding, about the tail mass,
     are added to delta) the PLD bound is infinite; the accountant reports the RDP bound of

@@ -62,6 +62,33 @@ def test_noiseless_release_is_the_exact_clipped_average():
         np.testing.assert_allclose(out[leaf], expected[leaf] / 20.0, rtol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int32, np.int64, np.bool_])
+def test_integer_and_bool_records_are_clipped_and_summed_as_numbers(dtype):
+    """Squared in their own dtype, int8 100 gave 16 (not clipped); weighted by clip factors
+    in it, the factors became 0 or 1; bools added up as a logical or (an accuracy of 3 of
+    4 correct released 1/4). Float64 oracle."""
+    rng = np.random.default_rng(0)
+    records = (rng.random((40, 3)) < 0.6 if dtype is np.bool_
+               else rng.integers(0, 100, (40, 3)).astype(dtype))
+    for clip in (1.0, 30.0, 1e9):
+        agg = PrivateAggregator(Mechanism((Group("m", ("m",), clip, 0.0),)), n=40, q=0.5)
+        agg.begin_step()
+        values = records.astype(np.float64)
+        norms = np.linalg.norm(values, axis=1, keepdims=True)
+        expected = (clip / np.maximum(norms, clip) * values).sum(0) / 20
+        np.testing.assert_allclose(agg.release({"m": records})["m"], expected, rtol=1e-12)
+
+
+def test_float16_records_get_noise_of_the_recorded_std():
+    """NumPy draws no float16: the noise is drawn in float32 and cast (the release failed
+    after its events were written)."""
+    agg = PrivateAggregator(Mechanism((Group("m", ("m",), 1.0, 3.0),)), n=40, q=0.5, seed=0)
+    agg.begin_step()
+    out = agg.release({"m": np.zeros((5, 20_000), np.float16)})["m"]
+    assert out.dtype == np.float16
+    assert float(np.std(out.astype(np.float64))) == pytest.approx(3.0 / 20, rel=0.03)
+
+
 def test_ledger_gets_one_sampling_event_then_one_query_per_group_each_step():
     agg = PrivateAggregator(MECHANISM, n=100, q=0.1, seed=3)
     for _ in range(3):
@@ -143,6 +170,8 @@ def test_errors():
     assert agg.ledger.events == (SamplingEvent(0.5, 10),)
     with pytest.raises(ValueError, match=r"q must be in \(0, 1\], got 2"):
         PrivateAggregator(MECHANISM, n=10, q=2)
+    with pytest.raises(ValueError, match=r"n must be .*>= 1, got 0"):
+        PrivateAggregator(MECHANISM, n=0, q=0.5)  # q n = 0 divides the releases
     with pytest.raises(TypeError, match="must be a dpcore Mechanism"):
         PrivateAggregator({"w": 1.0}, n=10, q=0.5)
 

@@ -47,6 +47,9 @@ def test_flat_and_grouped():
     assert [grp.name for grp in g.groups] == ["conv", "fc"]
     assert g.groups[0].clip == pytest.approx(math.sqrt(260 / 5310))
     assert g.noise_multiplier == pytest.approx(2.0, rel=1e-12)
+    one = allocation.grouped({"w": "fc.weight", "rest": ["conv.weight", "conv.bias", "fc.bias"]},
+                             SIZES, total_clip=1.0, noise_multiplier=2.0)  # a name: one leaf
+    assert one.groups[0].leaves == ("fc.weight",) and one.leaves[0] == "fc.weight"
 
 
 def test_bad_allocation_arguments():

@@ -16,6 +16,7 @@ from scipy import optimize
 
 from .. import _validation as check
 from .guarantee import MAX_STEPS, _largest_true, make_accountant
+from .pld import MIN_NOISE_MULTIPLIER
 
 
 def _epsilon(q: float, z: float, steps: int, delta: float, accountant: str, options) -> float:
@@ -62,11 +63,17 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, q: float, st
         if hi > 1e8:
             raise ValueError(f"no noise multiplier up to 1e8 reaches epsilon {target_epsilon} "
                              f"at delta {delta}")
+    floor = MIN_NOISE_MULTIPLIER if accountant == "pld" else 1e-6  # the smallest z tried
     lo = hi / 2
     while excess(lo) <= 0:
-        hi, lo = lo, lo / 2
-        if lo < 1e-6:
-            return hi
+        if lo == floor:
+            if accountant == "pld":
+                raise ValueError(
+                    f"epsilon {target_epsilon} at delta {delta} needs a noise multiplier below "
+                    f"{floor:.4g}, the smallest the PLD accountant prices; use "
+                    f"accountant='rdp'")
+            return lo
+        hi, lo = lo, max(lo / 2, floor)
     return _solve(excess, hi, lo, rtol)
 
 

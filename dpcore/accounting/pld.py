@@ -72,6 +72,8 @@ _SQRT2 = math.sqrt(2.0)
 _LOG_UNDERFLOW = -92.0
 # the largest privacy loss whose e^loss float64 holds with room (e^709.8 overflows)
 _MAX_LOSS = 700.0
+#: a noise multiplier whose losses 1 / (2 z^2) stay within _MAX_LOSS, just above the smallest
+MIN_NOISE_MULTIPLIER = 1.000001 * (2 * _MAX_LOSS) ** -0.5
 # masses below this are moved to +inf (pessimistic) rather than carried as subnormals
 _TINY_MASS = 1e-200
 _FFT_BATCH = 16  # groups transformed together (one batched, multithreaded FFT)
@@ -452,6 +454,11 @@ class PLDAccountant:
                     break
                 except _GridTooFine as exc:
                     h *= 2 ** math.ceil(math.log2(exc.size / MAX_FFT_SIZE) + 1e-9)
+                    if h > _MAX_LOSS:  # its bins too wide for any loss float64 can hold
+                        raise ValueError(
+                            f"{total} steps are too many for the PLD accountant's grid of "
+                            f"{MAX_FFT_SIZE} losses (the composed losses span beyond "
+                            f"{_MAX_LOSS:g} per bin); use accountant='rdp'") from None
         return self._composed
 
     def _trivial(self):

@@ -36,6 +36,7 @@ from ..ledger import NEIGHBOURING, Ledger, LedgerError, Step, read_ledger
 
 StepLike = Union[Step, Sequence[float]]
 Source = Union[Ledger, str, "os.PathLike[str]", Iterable[StepLike]]
+MAX_COUNT = 2 ** 53  # steps of one kind: counts are multiplied in float64
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,9 @@ def check_step(q, noise_multiplier, count=1) -> Step:
     q = check.probability("q (sampling rate)", q, allow_zero=True)
     z = check.non_negative("noise_multiplier", noise_multiplier, allow_inf=True)
     count = check.count("steps", count)
+    if count > MAX_COUNT:
+        raise ValueError(f"steps must be at most 2^53 = {MAX_COUNT} (the counts float64 holds "
+                         f"exactly), got {count}")
     return Step(q, z, count)
 
 
