@@ -73,6 +73,13 @@ def _check_layer(name: str, sub: nn.Module) -> None:
             f"Replace it with nn.GroupNorm({min(32, c)}, {c}) (or nn.LayerNorm), or {fix}, "
             f"or have make_private release its statistics privately "
             f"(batch_norm=BatchNormStatistics(clip, noise_multiplier))")
+    if (isinstance(sub, nn.modules.instancenorm._InstanceNorm) and sub.training
+            and sub.track_running_stats):
+        raise NotPerExampleError(
+            f"{type(sub).__name__} {name!r} tracks running statistics in training mode: it "
+            f"moves them with the batch's statistics, without noise, and eval mode reads "
+            f"them. Construct it with track_running_stats=False (each example is normalised "
+            f"with its own statistics in training either way)")
     if isinstance(sub, (nn.MultiheadAttention, nn.RNNBase)) and not sub.batch_first:
         raise NotPerExampleError(
             f"{type(sub).__name__} {name!r} has batch_first=False: dpcore needs the examples on "
@@ -80,7 +87,7 @@ def _check_layer(name: str, sub: nn.Module) -> None:
             f"inputs")
 
 
-def _refuse_training_batchnorm(name: str):
+def _refuse_batch_statistics(name: str):
     def refuse(module, args):
         if torch.is_grad_enabled():
             _check_layer(name, module)
@@ -222,8 +229,9 @@ class PerExampleEngine:
                           for leaf, p in self.params.items()]
         for name, sub in module.named_modules():
             hooks = []
-            if isinstance(sub, nn.modules.batchnorm._BatchNorm) and batch_norm is None:
-                hooks.append(sub.register_forward_pre_hook(_refuse_training_batchnorm(name)))
+            if (isinstance(sub, nn.modules.batchnorm._BatchNorm) and batch_norm is None
+                    or isinstance(sub, nn.modules.instancenorm._InstanceNorm)):
+                hooks.append(sub.register_forward_pre_hook(_refuse_batch_statistics(name)))
             if isinstance(sub, nn.MultiheadAttention):  # its code transposes the batch axis
                 hooks += [sub.register_forward_pre_hook(enter_opaque, with_kwargs=True),
                           sub.register_forward_hook(leave_opaque, with_kwargs=True)]

@@ -656,6 +656,11 @@ class EmbeddingRule(Rule):
             raise ValueError(f"Embedding {name!r} has scale_grad_by_freq=True, which scales each "
                              f"row's gradient by its frequency in the whole batch, so gradients "
                              f"are not per example; construct it with scale_grad_by_freq=False")
+        if module.max_norm is not None:
+            raise ValueError(f"Embedding {name!r} has max_norm={module.max_norm}, which rescales "
+                             f"the rows the batch looks up in place, without noise: the weights "
+                             f"would show which ids the private batch held. Construct it with "
+                             f"max_norm=None")
 
     def forward(self, module, use_list, args, kwargs):
         (indices,) = args

@@ -351,6 +351,33 @@ def test_batchnorm_in_training_mode_is_refused_with_a_fix():
 
 
 @pytest.mark.parametrize("affine", [False, True])
+def test_instance_norm_tracking_running_statistics_in_training_is_refused(affine):
+    """Each example is normalised with its own statistics, but the running ones move with
+    the batch's, without noise, and eval mode reads them (accepted, they filled with the
+    batch's; with affine=True torch.func failed, blaming random operations)."""
+    model = nn.Sequential(nn.Conv2d(1, 4, 3),
+                          nn.InstanceNorm2d(4, affine=affine, track_running_stats=True))
+    with pytest.raises(NotPerExampleError, match=r"'1' tracks running statistics.*"
+                                                 r"track_running_stats=False"):
+        PerExampleEngine(model)
+    model.eval()
+    engine = PerExampleEngine(model)  # eval mode reads them, and moves nothing
+    model.train()
+    with pytest.raises(NotPerExampleError, match="'1' tracks running statistics"):
+        model(torch.randn(2, 1, 5, 5))
+    assert not model[1].running_mean.any()
+    engine.detach()
+
+
+def test_an_embedding_with_max_norm_is_refused():
+    """Its lookups rescale the batch's rows in place, without noise (the weights showed
+    which ids the batch held, learning rate 0)."""
+    with pytest.raises(ValueError, match="'0' has max_norm=1.0.*max_norm=None"):
+        PerExampleEngine(nn.Sequential(nn.Embedding(50, 4, max_norm=1.0), nn.Flatten(),
+                                       nn.Linear(4, 2)))
+
+
+@pytest.mark.parametrize("affine", [False, True])
 def test_batchnorm_without_running_statistics_is_refused_in_eval_mode_too(affine):
     """With track_running_stats=False PyTorch normalises by the batch's statistics in eval mode
     as well: removing one record would move every other record's gradient."""
