@@ -42,6 +42,7 @@ def private_grads(engine: PerExampleEngine, aggregator: PrivateAggregator, loss=
     return aggregator.release_noisy_sums(noisy_sums, factors=factors)
 
 
+@torch.no_grad()
 def clip_into(engine: PerExampleEngine, aggregator: PrivateAggregator, noisy_sums):
     """Add the clipped sums of the examples of the backward pass just run into ``noisy_sums``
     (the step's :meth:`~dpcore.PrivateAggregator.noise_draws`) and return their clip factors

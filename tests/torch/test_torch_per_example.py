@@ -470,6 +470,39 @@ def test_dropped_records_with_nan_or_inf_leave_the_sums_finite(name, prefer):
         assert close(got[n], want), n
 
 
+@pytest.mark.parametrize("name", [*sorted(MODELS), "ghost-conv"])
+@pytest.mark.parametrize("prefer", ["memory", "time"])
+def test_private_grads_are_the_clipped_average_and_hold_no_graph(name, prefer):
+    """The functional step with gradients enabled (outside the optimizer's no_grad): the
+    clipped average of the oracle's gradients, as plain tensors. A convolution whose sums
+    are formed from its kept input and backprops (many channels, few positions) gave
+    tensors with a graph, or failed adding into a later layer's noise in place."""
+    import dpcore
+    from dpcore_torch import private_grads
+
+    gen = torch.Generator().manual_seed(21)
+    torch.manual_seed(8)
+    if name == "ghost-conv":
+        model = nn.Sequential(nn.Conv1d(6, 6, 3, padding=1), nn.Tanh(), nn.Flatten(),
+                              nn.Linear(24, 3)).double()
+        x, y = torch.randn(5, 6, 4, generator=gen, dtype=torch.float64), torch.arange(5) % 3
+    else:
+        model = MODELS[name]().double()
+        x, y = batches(name, 5, gen)
+    expected = oracle(copy.deepcopy(model), x, y)
+    engine = PerExampleEngine(model, loss_reduction="sum", prefer=prefer)
+    agg = dpcore.PrivateAggregator(dpcore.flat(list(engine.params), 0.5, 0.0), n=10, q=0.5,
+                                   backend="torch")
+    agg.begin_step()
+    got = private_grads(engine, agg, F.cross_entropy(model(x), y, reduction="sum"))
+    norms = torch.stack([g.reshape(5, -1).pow(2).sum(1) for g in expected.values()], 1)
+    factors = torch.clamp(0.5 / norms.sum(1).sqrt(), max=1.0)
+    for n, rows in expected.items():
+        assert got[n].grad_fn is None and not got[n].requires_grad, n
+        assert close(got[n], torch.tensordot(factors, rows, dims=1) / 5), n
+    engine.detach()
+
+
 @pytest.mark.parametrize("first", ["linear", "embedding", "conv"])
 def test_layer_outputs_are_not_kept_alive_by_the_finished_graph(first):
     """A first layer's output (its input needs no gradient) is freed once nothing uses it,
