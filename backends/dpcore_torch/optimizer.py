@@ -25,6 +25,9 @@ class PrivateOptimizer(torch.optim.Optimizer):
     """``optimizer`` with private gradients. It shares ``param_groups`` and ``state`` with the
     wrapped optimizer, so learning-rate schedulers and checkpoints work on either."""
 
+    # torch.amp.GradScaler then hands its scale to step(), which refuses it (below)
+    _step_supports_amp_scaling = True
+
     def __init__(self, optimizer: torch.optim.Optimizer, engine: PerExampleEngine,
                  aggregator: PrivateAggregator, *, workers: Workers | None = None,
                  loader: PoissonLoader | None = None):
@@ -53,11 +56,12 @@ class PrivateOptimizer(torch.optim.Optimizer):
 
     def _refuse_stray(self, param_groups, *, grads: bool = False) -> None:
         """Refuse trainable tensors the engine does not clip (with ``grads``: tensors holding
-        a gradient, e.g. a parameter frozen when the model was made private and unfrozen
-        since): the wrapped optimizer would apply their ordinary gradients without privacy."""
+        a gradient too): the wrapped optimizer would apply their ordinary gradients without
+        privacy, or, a parameter frozen when the model was made private and unfrozen since
+        inside a layer dpcore forms gradients for, leave it untrained unnoticed."""
         stray = [p for group in param_groups for p in group["params"]
-                 if id(p) not in self._ours and (p.grad is not None if grads
-                                                  else p.requires_grad)]
+                 if id(p) not in self._ours and (p.requires_grad or grads
+                                                  and p.grad is not None)]
         if not stray:
             return
         names = {id(p): n for n, p in self.engine.module.named_parameters()}
@@ -174,6 +178,13 @@ class PrivateOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """One private step (one Poisson sample): clip, sum, noise, ledger, then update; the
         examples of the last backward pass join any :meth:`accumulate`-d micro-batches."""
+        if hasattr(self, "found_inf"):  # set by torch.amp.GradScaler.step
+            del self.found_inf, self.grad_scale  # (its own step deletes them when it returns)
+            raise ValueError(
+                "torch.amp.GradScaler scales the loss, and with it every per-example gradient "
+                "dpcore clips, and it would skip the steps whose gradients overflow, which "
+                "depends on the data: train under bfloat16 autocast without a scaler, or in "
+                "float32")
         loss = None
         if closure is not None:
             with torch.enable_grad():

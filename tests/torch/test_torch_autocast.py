@@ -136,3 +136,31 @@ def test_per_example_gradients_formed_inside_an_autocast_region_stay_float32():
             assert got[n].dtype == torch.float32, n
             scale = p.grad.abs().max().item()
             assert (got[n][i] - p.grad).abs().max().item() <= BF16_TOL * max(scale, 1e-6), n
+
+
+def test_a_grad_scaler_is_refused_and_the_optimizer_steps_without_it():
+    """torch.amp.GradScaler scales every per-example gradient and skips the steps whose
+    gradients overflow (a decision on the data): refused before anything is recorded (it
+    failed in GradScaler with 'No inf checks were recorded'); the next step without it runs."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    data = TensorDataset(torch.randn(40, 3), torch.randint(0, 2, (40,)))
+    model, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      DataLoader(data, batch_size=8), noise_multiplier=1.0,
+                                      max_grad_norm=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    x, y = next(iter(loader))
+    for unscaled_first in (False, True):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        if unscaled_first:
+            scaler.unscale_(opt)
+        with pytest.raises(ValueError, match="GradScaler scales the loss.*without a scaler"):
+            scaler.step(opt)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    assert opt.ledger.events == ()
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert len(opt.ledger.steps()) == 1

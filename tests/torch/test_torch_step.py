@@ -270,6 +270,23 @@ def test_a_parameter_unfrozen_after_make_private_is_refused_before_anything_is_r
     assert torch.equal(model[0].weight, before) and len(opt.ledger.events) > 0
 
 
+def test_a_weight_unfrozen_in_a_layer_with_a_trainable_bias_is_refused_too():
+    """The layer's rule forms no gradient for it, so no ordinary gradient gave it away: it
+    stayed untrained without a word."""
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    model, opt, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                                 DataLoader(data(), batch_size=8), noise_multiplier=1.0,
+                                 max_grad_norm=1.0, seed=0)
+    model[0].weight.requires_grad_(True)
+    x, y = data().tensors
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(ValueError, match=r"does not clip: \['0.weight'\]"):
+        opt.step()
+    assert len(opt.ledger.events) == 0
+
+
 def test_a_parameter_group_the_engine_does_not_clip_is_refused():
     model = mlp()
     model[0].requires_grad_(False)
