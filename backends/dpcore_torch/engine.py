@@ -88,9 +88,11 @@ def _check_layer(name: str, sub: nn.Module) -> None:
 
 
 def _refuse_batch_statistics(name: str):
+    """A forward pre-hook refusing a normalisation layer put (back) into a mode that mixes
+    the examples or moves running statistics with the batch's, with gradients or without
+    (``torch.no_grad()`` passes in training mode, ``swa_utils.update_bn``, move them too)."""
     def refuse(module, args):
-        if torch.is_grad_enabled():
-            _check_layer(name, module)
+        _check_layer(name, module)
     return refuse
 
 

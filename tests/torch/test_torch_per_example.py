@@ -347,6 +347,9 @@ def test_batchnorm_in_training_mode_is_refused_with_a_fix():
     model.train()
     with pytest.raises(NotPerExampleError, match="'1'"):
         model(torch.randn(2, 1, 5, 5))
+    with torch.no_grad(), pytest.raises(NotPerExampleError, match="'1'"):
+        model(torch.randn(2, 1, 5, 5))  # it would move the running statistics too
+    assert not model[1].running_mean.any()
     engine.detach()
 
 
