@@ -110,11 +110,13 @@ class TensorFlowBackend(Backend):
         aggregator.mechanism.check_leaves(names)
         batch = tf.nest.map_structure(tf.convert_to_tensor, batch)
         size = vectorized.batch_size(batch)
-        if size == 0:
-            return aggregator.release_sums({k: tf.zeros_like(v) for k, v in zip(names, values)})
+        mechanism = aggregator.mechanism
+        if size == 0:  # no records: zero sums, and (0, G) factors (adaptive counts of 0)
+            factors = np.zeros((0, len(mechanism.groups)), values[0].dtype.as_numpy_dtype)
+            return aggregator.release_sums({k: tf.zeros_like(v) for k, v in zip(names, values)},
+                                           factors=factors)
         mask = (tf.ones([size], tf.bool) if mask is None
                 else tf.cast(tf.reshape(tf.convert_to_tensor(mask), [size]), tf.bool))
-        mechanism = aggregator.mechanism
         clipper = GroupClipper(mechanism, names)
 
         def clipped(values, batch, clips, mask):

@@ -13,6 +13,7 @@ sample size.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Sequence
 
 import numpy as np
@@ -20,6 +21,8 @@ import tensorflow as tf
 
 from dpcore import _validation as check
 from dpcore.sampling import PoissonSampler
+
+_SAMPLINGS = weakref.WeakKeyDictionary()  # dataset of poisson_dataset -> its sampler's (n, q)
 
 
 def default_capacity(n: int, q: float) -> int:
@@ -50,7 +53,8 @@ def poisson_dataset(x, y: np.ndarray, *, q: float | None = None, steps: int,
 
     Give ``q`` (and optionally ``seed``), or a ``sampler`` (e.g. ``aggregator.sampler``, so the
     aggregator's seed drives sampling too). Keras's ``fit`` reads the mask as the sample
-    weight slot; the private model uses it as the padding mask.
+    weight slot; the private model uses it as the padding mask. The dataset is marked with
+    the sampler's (n, q), which a private model's ``fit`` checks (:func:`samplings`).
     """
     x, y = tf.nest.map_structure(np.asarray, x), np.asarray(y)
     inputs = tf.nest.flatten(x)
@@ -79,4 +83,22 @@ def poisson_dataset(x, y: np.ndarray, *, q: float | None = None, steps: int,
 
     signature = (tf.nest.map_structure(spec, x), spec(y), tf.TensorSpec((None,), tf.bool))
     dataset = tf.data.Dataset.from_generator(samples, output_signature=signature)
-    return dataset.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)
+    dataset = dataset.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)
+    _SAMPLINGS[dataset] = (sampler.n, sampler.q)
+    return dataset
+
+
+def samplings(dataset: tf.data.Dataset) -> set[tuple[int, float]]:
+    """The (n, q) of every :func:`poisson_dataset` that ``dataset`` is made from (found by
+    walking back through the datasets' inputs); empty if none."""
+    found, seen, todo = set(), set(), [dataset]
+    while todo:
+        dataset = todo.pop()
+        if id(dataset) in seen:
+            continue
+        seen.add(id(dataset))
+        if dataset in _SAMPLINGS:
+            found.add(_SAMPLINGS[dataset])
+        else:
+            todo.extend(dataset._inputs())
+    return found

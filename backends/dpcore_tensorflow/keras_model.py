@@ -12,7 +12,8 @@ Each call of the train function is one step: on the host the sampling and sum-qu
 are written to the ledger, then the compiled step computes the private average gradient of
 one padded Poisson batch and the optimizer applies it (post-processing). Arrays given to
 ``fit`` are Poisson-sampled by the aggregator's sampler, 1/q steps per epoch; a
-``tf.data.Dataset`` must yield ``(x, y, mask)`` Poisson batches (:func:`.poisson_dataset`).
+``tf.data.Dataset`` must be made from :func:`.poisson_dataset` batches ``(x, y, mask)`` drawn
+at the aggregator's n and q.
 
 Under a ``tf.distribute`` strategy of several replicas (the model built and made private in
 its scope) each replica clips its part of every batch and the first adds the noise; Keras's
@@ -21,16 +22,18 @@ optimizer adds the replicas' results up, which is the step's release.
 
 from __future__ import annotations
 
+import collections.abc
 import math
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from dpcore import Mechanism, PrivateAggregator, flat, per_layer
 from dpcore.aggregation import NonFiniteNormError
 
 from .bookkeeping import leaf_names
-from .data import default_capacity, poisson_dataset
+from .data import default_capacity, poisson_dataset, samplings
 from .step import PrivateGradients, check_strategy
 
 CLIPPINGS = ("flat", "per_layer")
@@ -195,23 +198,48 @@ class PrivateModel(keras.Model):
         self.train_function = train_function
         return train_function
 
-    def train_on_batch(self, *args, **kwargs):
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
+                       return_dict=False):
+        """Keras ``train_on_batch`` on one Poisson batch: ``sample_weight`` may only be its
+        padding mask (0 or 1 per row); class weights do not apply."""
         if self.distribute_strategy.num_replicas_in_sync > 1:
             raise ValueError("train_on_batch under several replicas would give every replica "
                              "the whole batch (each clips it, so the step would hold its sums "
                              "once per replica): use fit")
-        return super().train_on_batch(*args, **kwargs)
+        if class_weight is not None:
+            raise ValueError(f"class_weight={class_weight!r} does not apply to a private model: "
+                             f"every record's clipped gradient counts once")
+        weights = None if sample_weight is None else np.asarray(sample_weight)
+        if weights is not None and not np.isin(weights, (0, 1)).all():
+            raise ValueError(f"a private model reads sample_weight as the batch's padding mask "
+                             f"(0 or 1 per row), got values such as "
+                             f"{np.setdiff1d(weights, (0, 1))[:3]}: weights do not apply "
+                             f"(every record's clipped gradient counts once); pass a bool "
+                             f"mask or none")
+        return super().train_on_batch(x, y, sample_weight=sample_weight,
+                                      return_dict=return_dict)
 
     def fit(self, x=None, y=None, *, batch_size=None, epochs=1, steps_per_epoch=None,
             sample_weight=None, class_weight=None, shuffle=None, **kwargs):
         """Keras ``fit`` on Poisson batches. Arrays are sampled at the aggregator's rate q,
         ``steps_per_epoch`` (default round(1/q)) samples per epoch; batch sizes, shuffling and
-        sample or class weights do not apply (the batch is the Poisson sample)."""
+        sample or class weights do not apply (the batch is the Poisson sample). A dataset must
+        come from :func:`.poisson_dataset` at the aggregator's n and q."""
         for name, value in (("batch_size", batch_size), ("sample_weight", sample_weight),
                             ("class_weight", class_weight), ("shuffle", shuffle)):
             if value is not None:
                 raise ValueError(f"{name}={value!r} does not apply to a private model: batches "
                                  f"are Poisson samples at rate q={self.aggregator.q}")
+        if kwargs.get("validation_split"):
+            raise ValueError(f"validation_split={kwargs['validation_split']!r} does not apply to "
+                             f"a private model (the aggregator samples all n={self.aggregator.n} "
+                             f"records given): split the records yourself and pass the held-out "
+                             f"ones as validation_data")
+        if isinstance(x, (keras.utils.PyDataset, collections.abc.Iterator)):
+            raise ValueError(f"a private model's fit cannot take x of type {type(x).__name__}: "
+                             f"its batches would not be Poisson samples. Pass the records as "
+                             f"arrays x, y (sampled at q={self.aggregator.q}), or a dataset "
+                             f"made by poisson_dataset")
         replicas, arrays = self._check_replicas(), None
         self._dp_state.peek = False
         if isinstance(x, tf.data.Dataset):
@@ -225,6 +253,15 @@ class PrivateModel(keras.Model):
                     f"batches with a bool padding mask (dpcore_tensorflow.poisson_dataset); got "
                     f"elements {spec}. Fixed-size batches would be accounted as Poisson samples "
                     f"they are not, and sample weights do not apply")
+            agg, found = self.aggregator, samplings(x)
+            if found != {(agg.n, agg.q)}:
+                got = (f"samples of (n, q) in {sorted(found)}" if found else
+                       "a dataset not made by poisson_dataset")
+                raise ValueError(
+                    f"a dataset given to a private model's fit must hold Poisson samples at the "
+                    f"aggregator's n={agg.n}, q={agg.q} (the ledger prices its steps so); got "
+                    f"{got}. Build it with poisson_dataset(x, y, "
+                    f"sampler=private.aggregator.sampler, steps=...)")
         else:
             steps = steps_per_epoch or max(1, round(1 / self.aggregator.q))
             agg = self.aggregator  # batches cut evenly over the replicas

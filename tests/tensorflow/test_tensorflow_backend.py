@@ -136,6 +136,21 @@ def test_empty_sample_releases_noise_only(backend):
     assert len(agg.ledger.events) == 2
 
 
+def test_an_empty_sample_under_adaptive_clipping_counts_no_records(backend):
+    """The released unclipped count is noise alone (here 1e-5 of q n = 1e6), so the clip moves
+    as for a fraction of 1/2 unclipped (the centred count is 0), as on the JAX backend."""
+    from dpcore.adaptive import QuantileClipping, update_clip
+    params, _, _ = problem()
+    config = QuantileClipping(target_quantile=0.9, count_noise_std=10.0)
+    agg = _aggregator(backend, dpcore.flat(["w", "b"], 0.1, 1.0), n=10**7, q=0.1,
+                      clipping=config)
+    out = backend.private_gradient(linear_loss(backend.namespace()), params,
+                                   (np.zeros((0, 3)), np.zeros(0)), agg)
+    assert out["w"].shape == (3,)
+    assert any(getattr(e, "group", "").startswith("unclipped_count:") for e in agg.ledger.events)
+    assert agg.state_dict()["clips"] == pytest.approx([update_clip(0.1, 0.5, config)], rel=1e-4)
+
+
 def test_nonfinite_records_raise_or_drop(backend):
     params, (x, y), grads = problem()
     x = x.copy()

@@ -284,6 +284,62 @@ def test_fit_refuses_a_dataset_without_a_padding_mask(extra):
     assert len(private.aggregator.ledger.events) == 0
 
 
+@pytest.mark.parametrize("source", ["rate", "records", "own", "zipped"])
+def test_fit_refuses_a_dataset_not_sampled_at_the_aggregators_n_and_q(source):
+    """The ledger prices every step at the aggregator's q: Poisson samples drawn at another
+    rate (or from other records), or batches of one's own, would be under-reported."""
+    x, y = data(40, seed=10)
+    private = make_private(cnn(10), n=40, batch_size=4, noise_multiplier=1.0, seed=0)
+    private.compile(optimizer="sgd", loss=CE)
+    agg = private.aggregator
+    datasets = {
+        "rate": lambda: poisson_dataset(x, y, q=0.5, steps=2).filter(lambda *batch: True),
+        "records": lambda: poisson_dataset(x[:20], y[:20], q=agg.q, steps=2),
+        "own": lambda: tf.data.Dataset.from_tensor_slices((x, y, np.ones(40, bool))).batch(4),
+        "zipped": lambda: tf.data.Dataset.zip(
+            poisson_dataset(x, y, sampler=agg.sampler, steps=2),
+            poisson_dataset(x, y, q=0.5, steps=2)).map(lambda a, b: a)}
+    with pytest.raises(ValueError, match=r"Poisson samples at the aggregator's n=40, q=0\.1.*"
+                                         r"sampler=private\.aggregator\.sampler"):
+        private.fit(datasets[source](), epochs=1, verbose=0)
+    assert len(agg.ledger.events) == 0
+
+
+def test_fit_refuses_generators_and_validation_split():
+    x, y = data(40, seed=10)
+    private = make_private(cnn(10), n=40, batch_size=4, noise_multiplier=1.0, seed=0)
+    private.compile(optimizer="sgd", loss=CE)
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, index):
+            return x[:4], y[:4]
+
+    for given in (((x[:4], y[:4]) for _ in range(2)), Batches()):
+        with pytest.raises(ValueError, match="cannot take x of type .*not be Poisson samples"):
+            private.fit(given, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="validation_split=0.2 .* pass .* as validation_data"):
+        private.fit(x, y, validation_split=0.2, epochs=1, verbose=0)
+    assert len(private.aggregator.ledger.events) == 0
+
+
+def test_train_on_batch_refuses_weights_and_takes_a_padding_mask():
+    """Weights reached the step as its padding mask (cast to bool): silently ignored."""
+    x, y = data(8, seed=10)
+    private = make_private(cnn(10), n=40, batch_size=8, noise_multiplier=1.0, seed=0,
+                           check_independence=False)
+    private.compile(optimizer="sgd", loss=CE)
+    with pytest.raises(ValueError, match="class_weight=.* does not apply"):
+        private.train_on_batch(x, y, class_weight={0: 10.0, 1: 1.0, 2: 1.0})
+    with pytest.raises(ValueError, match=r"padding mask .* such as \[0\.5 2\. \]"):
+        private.train_on_batch(x, y, sample_weight=np.r_[np.ones(6), 0.5, 2.0])
+    assert len(private.aggregator.ledger.events) == 0
+    private.train_on_batch(x, y, sample_weight=np.r_[np.ones(6), 0, 0].astype("float32"))
+    assert private.aggregator.ledger.steps() == [dpcore.Step(0.2, 1.0, 1)]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_box_muller_noise_is_standard_normal(dtype):
     from scipy import stats
