@@ -18,7 +18,6 @@ divides by the public expected size q n. Everything here is pure and can run und
 
 from __future__ import annotations
 
-import math
 from typing import Callable, NamedTuple
 
 import jax
@@ -55,7 +54,7 @@ def _chunk(loss_fn, mechanism, method, params, batch, mask, clips):
         grads = named_leaves(jax.vmap(jax.grad(one_example_loss(loss_fn)), in_axes=(None, 0))(
             params, batch))
         sites, fallback_grads, site_grads, acts, by_site = (), grads, {}, {}, {}
-        sq = {leaf: jnp.sum(g.reshape(rows, math.prod(g.shape[1:])) ** 2, axis=1) for leaf, g in grads.items()}
+        sq = {leaf: ghost.sq_norms(g) for leaf, g in grads.items()}
     else:
         example = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
         plan = ghost.plan(loss_fn, jax.tree_util.tree_map(_spec, params), example)
@@ -64,8 +63,8 @@ def _chunk(loss_fn, mechanism, method, params, batch, mask, clips):
         by_site = {site.leaf: ghost.site_grads(site, named[site.leaf], acts[site.index],
                                                site_grads[site.index]) for site in sites}
         sq = {leaf: grads.sq for leaf, grads in by_site.items()}
-        sq.update({leaf: jnp.sum(g.reshape(rows, math.prod(g.shape[1:])) ** 2, axis=1)
-                   for leaf, g in fallback_grads.items() if leaf not in sq})
+        sq.update({leaf: ghost.sq_norms(g) for leaf, g in fallback_grads.items()
+                   if leaf not in sq})
     dtype = jnp.result_type(jnp.float32, *[v.dtype for v in sq.values()])
     zero = jnp.zeros((rows,), dtype)
     sq_norms = jnp.stack([sq.get(leaf, zero).astype(dtype) for leaf in leaves], axis=1)

@@ -265,7 +265,7 @@ def forms_products(p: int, c: int, f: int) -> bool:
 def _dot_sq_norms(a, g):
     """Squared norms of a_i^T g_i without forming it (P = 1, or the ghost norm)."""
     if a.shape[1] == 1:
-        return jnp.sum(a[:, 0] ** 2, axis=1) * jnp.sum(g[:, 0] ** 2, axis=1)
+        return sq_norms(a[:, 0]) * sq_norms(g[:, 0])
     a, g = _wide(a), _wide(g)
     return _ghost_sum(_gram(a) * _gram(g), a.shape[2] + g.shape[2])
 
@@ -281,6 +281,13 @@ def _wide(x):
     """``x`` in float32 at least: 16-bit ghost norms would round too coarsely for their
     bound (its margin grows with the machine epsilon) to stay small."""
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def sq_norms(x):
+    """The squared norms (B,) of the rows of ``x`` (B, ...), squared and summed in float32 at
+    least: in bfloat16 they would round by ~0.1%, and a clipped row exceed its clip."""
+    x = _wide(x)
+    return jnp.sum(x ** 2, axis=tuple(range(1, x.ndim)))
 
 
 def _ghost_sum(products, width: int):
@@ -434,7 +441,7 @@ def site_grads(site: Site, weight, acts, g) -> SiteGrads:
         if not forms_products(a.shape[1], a.shape[2], g.shape[2]):
             return SiteGrads(_dot_sq_norms(a, g), None)
         products = jnp.einsum("bpc,bpf->bcf", a, g)
-        return SiteGrads(jnp.sum(products ** 2, axis=(1, 2)),
+        return SiteGrads(sq_norms(products),
                          [_as_weight(site, weight, products)])
     if kind == "rows":
         batch = g.shape[0]
@@ -448,7 +455,7 @@ def site_grads(site: Site, weight, acts, g) -> SiteGrads:
         return SiteGrads(_ghost_sum(same * _gram(rows), rows.shape[2]), None)
     parts = (_conv_parts(site, weight, acts, g) if kind == "conv"
              else [_vjp_per_example(site, weight, acts, g)])
-    return SiteGrads(sum(jnp.sum(p ** 2, axis=tuple(range(1, p.ndim))) for p in parts), parts)
+    return SiteGrads(sum(sq_norms(p) for p in parts), parts)
 
 
 def _rows_scaled(x, weights):

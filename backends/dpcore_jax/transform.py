@@ -19,17 +19,18 @@ a checkpoint (its key that of an earlier step) draws new noise for the ledger's 
 With gradient accumulation a logical batch (one Poisson sample, one sampling event) is
 processed in k parts: :func:`private_optimizer` *adds* the k parts' clipped sums and, under a
 ``lax.cond``, adds the noise, writes the events and runs the wrapped optimizer only on the
-k-th call, so all three happen once per logical batch. (``optax.MultiSteps`` would not do:
-it evaluates the wrapped update on every call, which would write the events k times.) Each
-call also reads, by another ordered callback, the aggregator's current step: the parts held
-all belong to one step, and a part of a later step while parts of an earlier one are held
-(``accumulation_steps`` other than the ``splits`` of :class:`~dpcore_jax.PoissonBatches`, a
-sample left part-way) raises before anything is added, except after a refused release, whose
-parts are then dropped.
+k-th call, so all three happen once per logical batch. (``optax.MultiSteps`` around these
+transformations is refused at ``init``: it runs the wrapped update on every call, which would
+write the events k times, and releases the parts' mean.) Each call also reads, by another
+ordered callback, the aggregator's current step: the parts held all belong to one step, and
+a part of a later step while parts of an earlier one are held (``accumulation_steps`` other
+than the ``splits`` of :class:`~dpcore_jax.PoissonBatches`, a sample left part-way) raises
+before anything is added, except after a refused release, whose parts are then dropped.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import jax
@@ -159,6 +160,20 @@ def _refuse_manual_axes(what: str) -> None:
             f"devices")
 
 
+def _refuse_multi_steps(what: str) -> None:
+    """Raise when called from ``optax.MultiSteps.init`` (a wrapper of ``what``)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is optax.MultiSteps.init.__code__:
+            raise TypeError(
+                f"{what} is wrapped in optax.MultiSteps, which runs its update on every "
+                f"mini-step (each would write the step's sum-query events) and hands it the "
+                f"parts' mean, 1/k of the sample's clipped sum. Drop MultiSteps and pass "
+                f"accumulation_steps=k to dpcore_jax.private_optimizer (with "
+                f"PoissonBatches(..., splits=k))")
+        frame = frame.f_back
+
+
 def _split_key(aggregator):
     """A key for the optimizer state, split off the aggregator's on the host (None for a
     secure aggregator, whose noise is drawn on the host at every step). A traced ``init``
@@ -179,6 +194,7 @@ def private_aggregate(aggregator) -> optax.GradientTransformation:
 
     def init(params):
         del params
+        _refuse_multi_steps("private_aggregate")
         return PrivateAggregateState(_split_key(aggregator))
 
     def update(updates, state, params=None):
@@ -220,6 +236,7 @@ def private_optimizer(optimizer: optax.GradientTransformation, aggregator, *,
     release = _release_fn(aggregator, ledger)
 
     def init(params):
+        _refuse_multi_steps("private_optimizer")
         zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
         none = jnp.zeros((), jnp.int32)
         return PrivateOptimizerState(_split_key(aggregator), zeros, none, none, none - 1,

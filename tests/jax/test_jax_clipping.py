@@ -375,6 +375,28 @@ def test_bfloat16_ghost_norms_are_formed_in_float32():
     assert (got >= exact).all() and (got <= exact * 1.01).all()
 
 
+@pytest.mark.parametrize("method, kind", [("vmap", "formed"), ("ghost", "formed"),
+                                          ("ghost", "dense"), ("ghost", "fallback")])
+def test_bfloat16_records_are_clipped_to_their_clip(method, kind):
+    """A bfloat16 gradient's squared norm is summed in float32: in bfloat16 (20,000 entries
+    near 1) it rounded by ~0.1%, and a clipped record's contribution exceeded the clip."""
+    rng = np.random.default_rng(14)
+    d = 20_000
+    x = jnp.asarray(rng.uniform(0.5, 1.5, size=(4, d)), jnp.bfloat16)
+    losses = {"formed": lambda q, x: jnp.sum(x * q["w"], axis=1),
+              "dense": lambda q, x: (x @ q["w"])[:, 0],  # one position: |a|^2 |g|^2
+              "fallback": lambda q, x: jnp.sum(x * q["w"], axis=1) + jnp.sum(x * q["w"], axis=1)}
+    shape, scale = {"formed": ((d,), 1), "dense": ((d, 1), 1), "fallback": ((d,), 2)}[kind]
+    params = {"w": jnp.zeros(shape, jnp.bfloat16)}
+    assert [ghost.rule(s) for s in ghost.plan(losses[kind], params, x[0]).sites] == (
+        [] if kind == "fallback" else [kind])
+    run = clipped_sums(lambda q, x: losses[kind](q, x).astype(jnp.float32),
+                       dpcore.flat(["w"], 1.0, 0.0), method=method, with_factors=True)
+    _, _, factors = jax.jit(run)(params, x)
+    norms = scale * np.linalg.norm(np.asarray(x, np.float64), axis=1)  # about 147
+    assert (np.asarray(factors[:, 0], np.float64) * norms <= 1 + 1e-6).all()
+
+
 def test_long_runs_of_one_id_keep_embedding_norms_within_one_percent():
     """The bound on a per-id row sum grows with the run's length, not the sequence's: with
     P = 4096 positions of 64 ids (runs of about 64), ordinary norms move by under 1%."""

@@ -470,6 +470,23 @@ def test_the_optax_init_inside_jit_is_refused():
     assert not np.array_equal(jax.random.key_data(first.key), jax.random.key_data(second.key))
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_optax_multi_steps_around_the_private_optimizer_is_refused(k):
+    """MultiSteps runs the wrapped update on every mini-step (the step's events written k
+    times) and hands it the parts' mean (1/k of the clipped sum; ClippedSums do not even fit
+    its accumulator): refused at init, before any key is split off."""
+    rng = np.random.default_rng(12)
+    _, params = wide_model(rng)
+    agg = aggregator(dpcore.flat(["b", "w"], 1.0, 1.0), n=400, q=0.1, seed=0,
+                     on_nonfinite="drop")
+    key = agg.rng
+    opt = optax.MultiSteps(private_optimizer(optax.sgd(1.0), agg, accumulation_steps=k),
+                           every_k_schedule=4)
+    with pytest.raises(TypeError, match="wrapped in optax.MultiSteps.*accumulation_steps=k"):
+        opt.init(params)
+    assert agg.rng is key and agg.ledger.events == ()
+
+
 def test_compiled_shapes_over_a_thousand_poisson_steps_stay_few():
     rng = np.random.default_rng(7)
     loss_fn, params = models.model(rng, "logistic")
