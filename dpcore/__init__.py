@@ -4,6 +4,8 @@ The core imports no framework; backends (``numpy`` here, ``torch``, ``jax``, ``t
 third parties') register through the ``dpcore`` entry points and are loaded on first use.
 """
 
+import importlib
+
 from .adaptive import QuantileClipping
 from .aggregator import PrivateAggregator
 from .allocation import flat, grouped, per_layer
@@ -24,3 +26,10 @@ __all__ = [
     "effective_noise_multiplier", "flat", "get_backend", "grouped", "noise_multiplier_left",
     "per_layer", "poisson_sample", "read_ledger",
 ]
+
+
+def __getattr__(name: str):
+    """``dpcore.accounting`` (which imports SciPy) is imported on first use."""
+    if name == "accounting":
+        return importlib.import_module(".accounting", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
