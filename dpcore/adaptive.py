@@ -99,9 +99,11 @@ class AdaptiveClipping:
         return Mechanism(groups, self.base.record, self.base.microbatch_size)
 
     def count_sums(self, factors, mask=None) -> dict:
-        """sum_i (b_ig - 1/2) over the real records, b_ig = 1 when group g was not clipped."""
+        """sum_i (b_ig - 1/2) over the real records, b_ig = 1 when group g was not clipped:
+        its factor min(1, S / norm) is 1 to within a few units of rounding (PyTorch forms
+        S / x as S * (1 / x), which gives 0.99999994 for x = S in float32)."""
         xp = array_namespace(factors)
-        unclipped = xp.astype(factors == 1, factors.dtype)
+        unclipped = xp.astype(factors >= 1 - 4 * xp.finfo(factors.dtype).eps, factors.dtype)
         real = (xp.ones_like(factors[:, 0]) if mask is None
                 else xp.astype(xp.astype(mask, xp.bool), factors.dtype))
         centred = (unclipped - 0.5) * real[:, None]

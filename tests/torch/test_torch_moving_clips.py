@@ -70,3 +70,18 @@ def test_training_stops_cleanly_when_the_budget_is_spent():
     with pytest.raises(dpcore.BudgetExhaustedError):
         opt.step()
     assert sum(s.count for s in opt.ledger.steps()) == taken
+
+
+def test_records_within_the_clip_count_as_unclipped_whatever_the_clip():
+    """PyTorch forms S / max(norm, S) as S * (1 / max(norm, S)), 0.99999994 for about one
+    clip in eight in float32: records within the clip were counted as clipped, so adaptive
+    clipping moved the clip away from the quantile."""
+    from dpcore.adaptive import AdaptiveClipping, QuantileClipping
+    from dpcore.aggregation import clip_factors
+
+    clips = torch.rand(3000, generator=torch.Generator().manual_seed(0)).double() * 10 + 0.01
+    adaptive = AdaptiveClipping(dpcore.flat(["w"], 1.0, 1.0), QuantileClipping(), 100.0)
+    for clip in clips.tolist():
+        norms = torch.tensor([[0.0], [clip * 0.5], [clip], [clip * 2]])  # 3 within, 1 beyond
+        counts = adaptive.count_sums(clip_factors(norms, [clip]))
+        assert counts["unclipped_count:all"].item() == 3 - 0.5 * 4, clip
