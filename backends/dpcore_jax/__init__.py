@@ -27,6 +27,7 @@ _HOME = {
     "leaf_names": "names",
     "leaf_sizes": "names",
     "named_leaves": "names",
+    "unflatten_like": "names",
 }
 
 __all__ = sorted(_HOME)

@@ -15,12 +15,16 @@ import math
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 
+from dpcore import BudgetExhaustedError
 from dpcore import _validation as check
+from dpcore.aggregation import NonFiniteNormError
 
 from .batching import Buckets, PoissonBatches, batch_shards, replicated
 from .grad import _Compiled, private_mean_fn
+from .names import named_leaves
 
 
 class PrivateStep:
@@ -31,6 +35,7 @@ class PrivateStep:
     def __init__(self, loss_fn: Callable, optimizer: optax.GradientTransformation, aggregator,
                  *, chunk_size: int | None = None, method: str = "ghost"):
         self._compiled = _Compiled(aggregator)
+        self._checked = False  # whether the parameters were found all floating
         self.aggregator = aggregator
         self.optimizer = optimizer
         mean_fn = private_mean_fn(loss_fn, aggregator.mechanism, aggregator.expected_size,
@@ -46,7 +51,21 @@ class PrivateStep:
     def init(self, params):
         return self.optimizer.init(params)
 
+    def check_params(self, params) -> None:
+        """Refuse leaves that cannot be differentiated (PRNG keys, counters: a Flax nnx
+        ``nnx.split(model)`` state), naming them, before a step is taken."""
+        if self._checked:
+            return
+        bad = [name for name, leaf in named_leaves(params).items()
+               if not jnp.issubdtype(leaf.dtype, jnp.floating)]
+        if bad:
+            raise TypeError(f"the trained parameters must be floating arrays; leaves {bad} are "
+                            f"not (PRNG keys or counters?): train the parameters alone, e.g. "
+                            f"nnx.split(model, nnx.Param, ...)")
+        self._checked = True
+
     def __call__(self, params, opt_state, batch, mask=None):
+        self.check_params(params)
         self._compiled.check()
         params, opt_state, key, nonfinite = self._step(params, opt_state, batch, mask,
                                                        self._compiled.noise(params))
@@ -59,12 +78,19 @@ class PrivateStep:
 
 
 def train(loss_fn: Callable, params, data, aggregator, optimizer: optax.GradientTransformation,
-          *, steps: int, buckets: Buckets | None = None, chunk_size: int | None = None,
-          method: str = "ghost", callback: Callable | None = None, sharding=None):
+          *, steps: int, opt_state=None, buckets: Buckets | None = None,
+          chunk_size: int | None = None, method: str = "ghost", callback: Callable | None = None,
+          sharding=None):
     """Train ``params`` for ``steps`` private steps on Poisson samples of ``data`` (a pytree
     of NumPy arrays with one row per record, ``aggregator.n`` rows); returns
-    ``(params, opt_state)``. ``callback(step, params)`` runs after every step. Every step's
-    sampling and sum-query events are in ``aggregator.ledger``. ``sharding`` (a
+    ``(params, opt_state)``. ``opt_state`` continues a run (``optimizer.init(params)`` if
+    None). ``callback(step, params)`` runs after every step. Every step's sampling and
+    sum-query events are in ``aggregator.ledger``.
+
+    With a privacy budget, training stops at the first step the budget cannot afford (the
+    ledger holds the steps taken). A step refused for a record's NaN or infinite gradient
+    (``on_nonfinite="raise"``) raises :class:`~dpcore.aggregation.NonFiniteNormError`
+    carrying ``params`` and ``opt_state`` after the last step released. ``sharding`` (a
     ``NamedSharding`` of the batch's first axis) spreads each batch over its devices, with
     the parameters copied to each (:mod:`dpcore_jax.batching`)."""
     steps = check.count("steps", steps)
@@ -72,14 +98,24 @@ def train(loss_fn: Callable, params, data, aggregator, optimizer: optax.Gradient
         params = jax.device_put(params, replicated(sharding))
     private_step = PrivateStep(loss_fn, optimizer, aggregator, chunk_size=chunk_size,
                                method=method)
-    opt_state = private_step.init(params)
+    private_step.check_params(params)  # before a sampling event is written
+    if opt_state is None:
+        opt_state = private_step.init(params)
     if buckets is None and chunk_size is not None:  # every bucket splits into chunks (and shards)
         shards = 1 if sharding is None else batch_shards(sharding)
         buckets = Buckets(aggregator.expected_size, aggregator.q,
                           multiple_of=math.lcm(chunk_size, shards))
     batches = PoissonBatches(data, aggregator, buckets=buckets, sharding=sharding)
     for t in range(steps):
-        params, opt_state = private_step(params, opt_state, *batches.next())
+        try:
+            batch = batches.next()
+        except BudgetExhaustedError:
+            break  # the budget affords no more steps
+        try:
+            params, opt_state = private_step(params, opt_state, *batch)
+        except NonFiniteNormError as error:
+            error.params, error.opt_state = params, opt_state
+            raise
         if t + 1 < steps:
             batches.prefetch()  # while the device computes this step
         if callback is not None:

@@ -165,6 +165,65 @@ def test_train_in_chunks_pads_every_sample_to_whole_chunks():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_train_continues_from_an_optimizer_state_and_stops_at_the_budget():
+    """Two runs of 2 steps, the second given the first's Adam state, are the run of 4 (the
+    state was re-initialised); under a budget train returns what the steps it could afford
+    made (it raised, losing them), and those steps fit the budget."""
+    rng = np.random.default_rng(15)
+    loss_fn, params = models.model(rng, "mlp")
+    x, y = models.data(rng, "mlp", 200)
+    mechanism = dpcore.flat(leaf_names(params), 1.0, 1.0)
+    agg = aggregator(mechanism, n=200, q=0.1, seed=5)
+    whole, _ = train(loss_fn, params, (x, y), agg, optax.adam(0.05), steps=4)
+    agg = aggregator(mechanism, n=200, q=0.1, seed=5)
+    half, state = train(loss_fn, params, (x, y), agg, optax.adam(0.05), steps=2)
+    halves, _ = train(loss_fn, half, (x, y), agg, optax.adam(0.05), steps=2, opt_state=state)
+    for a, b in zip(jax.tree_util.tree_leaves(whole), jax.tree_util.tree_leaves(halves)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+    budget = dpcore.PrivacyBudget(target_epsilon=3.0, delta=1e-5)  # 11 steps
+    agg = aggregator(mechanism, n=200, q=0.1, seed=5, budget=budget)
+    seen = []
+    out, _ = train(loss_fn, params, (x, y), agg, optax.sgd(0.1), steps=10_000,
+                   callback=lambda t, p: seen.append(p))
+    taken = sum(s.count for s in agg.ledger.steps())
+    assert taken == len(seen) == 11
+    assert dpcore.accounting.epsilon(agg.ledger, 1e-5) <= 3.0
+    for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(seen[-1])):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_train_refused_for_a_nan_record_hands_back_the_last_released_state():
+    rng = np.random.default_rng(16)
+    loss_fn, params = models.model(rng, "mlp")
+    x, y = models.data(rng, "mlp", 100)
+    x[:, 0] = np.where(np.arange(100) == 37, np.inf, x[:, 0])  # record 37
+    agg = aggregator(dpcore.flat(leaf_names(params), 1.0, 1.0), n=100, q=0.2, seed=1)
+    seen = []
+    with pytest.raises(NonFiniteNormError) as raised:
+        train(loss_fn, params, (x, y), agg, optax.sgd(0.1), steps=100,
+              callback=lambda t, p: seen.append(p))
+    last = seen[-1] if seen else params
+    for a, b in zip(jax.tree_util.tree_leaves(raised.value.params),
+                    jax.tree_util.tree_leaves(last)):
+        np.testing.assert_array_equal(a, b)
+    assert raised.value.opt_state is not None
+
+
+def test_leaves_that_cannot_be_differentiated_are_refused_before_a_step():
+    """A Flax nnx state split whole holds PRNG keys and counters: named, nothing recorded
+    (it failed mid-step on a key dtype, after the sampling event)."""
+    rng = np.random.default_rng(17)
+    loss_fn, params = models.model(rng, "mlp")
+    x, y = models.data(rng, "mlp", 100)
+    state = {**params, "count": jnp.zeros((), jnp.uint32)}
+    agg = aggregator(dpcore.flat(leaf_names(state), 1.0, 1.0), n=100, q=0.2, seed=1)
+    with pytest.raises(TypeError, match=r"leaves \['count'\] are not"):
+        train(lambda p, b: loss_fn({k: p[k] for k in params}, b), state, (x, y), agg,
+              optax.sgd(0.1), steps=2)
+    assert agg.ledger.events == ()
+
+
 def test_prefetch_draws_the_same_samples_and_writes_each_sampling_event_when_its_step_begins():
     rng = np.random.default_rng(12)
     x, y = models.data(rng, "mlp", 300)
