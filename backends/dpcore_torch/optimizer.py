@@ -43,7 +43,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self.defaults = optimizer.defaults
         self.aggregator, self.workers = aggregator, workers
         self._pending = None  # (noise draws, clip factors) of a step being accumulated
-        self._failed = None  # what made a micro-batch of that step fail (across processes)
+        self._failed = None  # what made a micro-batch of the current step fail
         self._stepped_at = 0  # the engine's batch count at the last step released
         self._loader = loader  # the run's Poisson loader: which sample a step's parts are of
         self._begun_on = None  # the loader's samples handed out when the step began
@@ -107,10 +107,12 @@ class PrivateOptimizer(torch.optim.Optimizer):
         releasing it: for a Poisson sample split into micro-batches that fit in memory, call
         this after each micro-batch's backward pass and :meth:`step` once at the end. The
         sample's sampling event is written at its first micro-batch; the noise is drawn once
-        and the sums added into it. If a micro-batch raises (a NaN record), the step is
-        abandoned: nothing is released. Across processes (``distributed=True``) the step's
-        later micro-batches in this process are then dropped and its :meth:`step` raises
-        in every process, so that they all abandon the same step."""
+        and the sums added into it. If a micro-batch fails (a NaN record), the step is
+        abandoned: nothing of it is released, the sample's later micro-batches are dropped
+        (released as a step of their own, they would be a sample the ledger does not
+        describe) and :meth:`step` raises the error. In one process ``accumulate()`` raises it
+        too; across processes (``distributed=True``) it does not, so that every process
+        reaches :meth:`step`, which raises in all of them."""
         if self.engine.batch_norm is not None:
             raise ValueError("accumulate() with BatchNorm statistics released privately: they "
                              "are released from the step's first forward pass, which would "
@@ -118,15 +120,24 @@ class PrivateOptimizer(torch.optim.Optimizer):
                              "batch size that fits in memory, or replace BatchNorm with "
                              "GroupNorm")
         with torch.no_grad():
-            if self._failed is not None:  # this step failed here already
+            self._forget_a_failure_of_an_earlier_sample()
+            if self._failed is not None:  # this step failed already: the micro-batch is dropped
                 self.engine.clear()
                 return
             try:
                 self._accumulate()
-            except BaseException as error:
-                if self.workers is not None:
-                    self._failed = error
-                raise
+            except Exception as error:
+                self._failed = error
+                if self.workers is None:
+                    raise
+
+    def _new_sample(self) -> bool:
+        """Whether the loader has handed out a sample since the current step began."""
+        return self._loader is not None and self._loader.samples_given != self._begun_on
+
+    def _forget_a_failure_of_an_earlier_sample(self) -> None:
+        if self._failed is not None and self._new_sample():
+            self._failed = None  # the loop skipped that sample's step() after the error
 
     def begin(self) -> int:
         """Begin the step (its sampling event, its noise draws) unless it has begun; its
@@ -136,8 +147,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
         A step begun on an earlier sample of the loader and never taken (the loop skipped
         the rest of that sample after an error) is abandoned, with a warning, nothing of it
         released: adding this sample into it would release two samples as one."""
-        if self._pending is not None and self._loader is not None and (
-                self._loader.samples_given != self._begun_on):
+        if self._pending is not None and self._new_sample():
             warnings.warn(
                 f"step {self.aggregator.step} was begun on an earlier batch of the loader and "
                 f"never taken by step(): it is abandoned, nothing of it released, and this "
@@ -189,9 +199,10 @@ class PrivateOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._forget_a_failure_of_an_earlier_sample()
         try:
             if self.workers is None:
-                self._accumulate()
+                self._accumulate_unless_failed()
             else:  # every process raises if one did (dpcore_torch.distributed)
                 self.workers.agree(self._accumulate_unless_failed, self._step_taken)
         except BaseException:
@@ -219,6 +230,11 @@ class PrivateOptimizer(torch.optim.Optimizer):
         on the step just taken. Under a budget the mechanism must be declared
         (``make_private(..., metrics=[mechanism])``); across processes every process calls
         it with its share, and the shares are added up (process 0 draws the noise)."""
+        if self.workers is not None and self._pending is not None and self._pending[1]:
+            raise ValueError(
+                "release() between accumulate() and step() across processes: their numbers "
+                "of micro-batches differ, so their releases would not meet. Release the "
+                "metric after step(), from the values of the whole sample")
         if self._pending is None and self.engine.batches != self._stepped_at:
             self.begin()  # a batch since the last step: its step begins here
         with torch.no_grad():

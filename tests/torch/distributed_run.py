@@ -206,8 +206,9 @@ def other_clip(out: Path, rank: int) -> dict:
 
 def failed_micro_batch(out: Path, rank: int) -> dict:
     """q = 1 in micro-batches of 2 records: process 1's second holds the NaN record 1 (its
-    accumulate() raises; its later micro-batches are dropped); both processes' step()
-    raises, and both then train the next sample alike."""
+    accumulate() keeps the error and drops its later micro-batches); both processes' step()
+    raises, and both then train the next sample alike. A metric released between
+    accumulate() and step() is refused in both (their numbers of micro-batches differ)."""
     model, opt, (x, y, index) = with_a_nan_record()
     raised = []
     for step in range(2):
@@ -218,6 +219,9 @@ def failed_micro_batch(out: Path, rank: int) -> dict:
             opt.zero_grad()
             F.cross_entropy(model(x[keep]), y[keep]).backward()
             raised.append(("accumulate", step, outcome(opt.accumulate)))
+        if step == 1:
+            values = {"loss": torch.zeros(2, 1)}
+            raised.append(("release", step, outcome(lambda: opt.release(values, LOSS_METRIC))))
         raised.append(("step", step, outcome(opt.step)))
     return {"raised": raised, "events": [type(e).__name__ for e in opt.ledger.events],
             "params": [p.detach().clone() for p in model.parameters()]}

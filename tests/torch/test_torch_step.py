@@ -678,6 +678,42 @@ def test_a_step_left_by_a_skipped_batch_is_abandoned_not_merged_into_the_next():
     assert kinds == ["SamplingEvent"] + reference_kinds
 
 
+def test_the_rest_of_a_sample_after_a_failed_micro_batch_is_dropped_not_released():
+    """A NaN record makes its micro-batch's accumulate() raise; a loop that goes on with the
+    sample's later micro-batches had them released as a step of their own, a sample the
+    ledger does not describe (whether the first ones were in it depended on that record).
+    They are dropped, step() raises the error again, and the next sample is a step as usual."""
+    from dpcore.aggregation import NonFiniteNormError
+
+    ds = data()
+    model = mlp()
+    model, opt, loader = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      DataLoader(ds, batch_size=40), noise_multiplier=0.0,
+                                      max_grad_norm=1.0, seed=0)
+    x, y = ds.tensors[0].clone(), ds.tensors[1]
+    x[5] = math.nan
+    before = [p.detach().clone() for p in model.parameters()]
+    outcomes = []
+    for rows in torch.arange(12).split(4):
+        opt.zero_grad()
+        F.cross_entropy(model(x[rows]), y[rows]).backward()
+        try:
+            opt.accumulate()
+            outcomes.append("ok")
+        except NonFiniteNormError:
+            outcomes.append("raised")
+    assert outcomes == ["ok", "raised", "ok"]
+    with pytest.raises(NonFiniteNormError, match="record"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert [type(e).__name__ for e in opt.ledger.events] == ["SamplingEvent"]
+    opt.zero_grad()
+    F.cross_entropy(model(x[12:20]), y[12:20]).backward()
+    opt.step()
+    assert [type(e).__name__ for e in opt.ledger.events] == [
+        "SamplingEvent", "SamplingEvent", "SumQueryEvent"]
+
+
 def test_adversarial_inputs_from_autograd_grad_then_zero_grad_train_on_them_alone():
     """A backward pass that only makes inputs (FGSM) reaches the layers too; zero_grad()
     between it and the training forward leaves the step exactly the one on the new inputs."""
