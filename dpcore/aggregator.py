@@ -16,7 +16,7 @@ mechanism in force at the current step, and the ledger records it.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 from array_api_compat import array_namespace
@@ -387,7 +387,8 @@ class PrivateAggregator:
         self._policy.observe(released)
 
     def release(self, per_record: Mapping[str, object], *, mask=None,
-                mechanism: Mechanism | None = None, noise: bool = True) -> dict:
+                mechanism: Mechanism | None = None, noise: bool = True,
+                agree: Callable[[BaseException | None], None] | None = None) -> dict:
         """The private average of ``per_record`` (leaf -> (B, *shape)), rows = the sample's
         records; ``mask`` (B,) marks real rows of a padded batch.
 
@@ -397,9 +398,13 @@ class PrivateAggregator:
         the step's queries together (Eq. (1)). Its group names must differ from the
         aggregator's; under a budget it must be one of the aggregator's ``extra``, released
         once a step. ``noise=False`` (with ``mechanism``) adds no noise, for a process whose
-        release goes into a sum with that of one that draws it (not private on its own)."""
+        release goes into a sum with that of one that draws it (not private on its own).
+        ``agree(error)`` (with ``mechanism``) is called after the checks and the clipped sums,
+        before anything is recorded, with what they raised or None: a backend whose processes
+        release shares of one sample makes every process raise there if one failed, so
+        their ledgers stay alike."""
         if mechanism is not None:
-            return self._release_other(per_record, mechanism, mask, noise)
+            return self._release_other(per_record, mechanism, mask, noise, agree)
         if not noise:
             raise ValueError("noise=False serves the releases of other mechanisms; for the "
                              "aggregator's own, use noise_draws(like, noise=False)")
@@ -420,8 +425,33 @@ class PrivateAggregator:
         return factors, aggregation.clipped_sum(per_record, factors, mechanism, leaves,
                                                 zero_rows=zero_rows)
 
-    def _release_other(self, per_record, mechanism: Mechanism, mask, noise: bool) -> dict:
+    def _release_other(self, per_record, mechanism: Mechanism, mask, noise: bool,
+                       agree) -> dict:
         """:meth:`release` of another ``mechanism``'s groups on the current step."""
+        error = None
+        try:
+            declared = self._check_other(mechanism)
+            _, sums = self._clipped_sum(per_record, mechanism, mask)
+        except BaseException as raised:
+            error = raised
+        if agree is not None:
+            agree(error)
+        if error is not None:
+            raise error
+        self.ledger.record_sum_queries(
+            [SumQueryEvent(g.name, g.clip, g.noise_std) for g in mechanism.groups])
+        if self.budget is not None:
+            self._extra_released.add(declared)
+        if not noise:
+            return {leaf: total / self.expected_size for leaf, total in sums.items()}
+        self.rng, released = aggregation.noisy_average(
+            sums, mechanism, self.rng, self.standard_normal, self.expected_size,
+            xp=self.backend.namespace())
+        return released
+
+    def _check_other(self, mechanism: Mechanism) -> int | None:
+        """Refuse what a release of ``mechanism`` on this step could not price; its index
+        among the declared ``extra`` (under a budget)."""
         if not isinstance(mechanism, Mechanism):
             raise TypeError(f"mechanism must be a dpcore Mechanism, got {mechanism!r}")
         if not self.begun:
@@ -446,14 +476,4 @@ class PrivateAggregator:
             raise ValueError(f"group names {clash} are the aggregator's own; give the other "
                              f"mechanism's groups names of their own (the ledger tells them "
                              f"apart by name)")
-        _, sums = self._clipped_sum(per_record, mechanism, mask)
-        self.ledger.record_sum_queries(
-            [SumQueryEvent(g.name, g.clip, g.noise_std) for g in mechanism.groups])
-        if self.budget is not None:
-            self._extra_released.add(declared)
-        if not noise:
-            return {leaf: total / self.expected_size for leaf, total in sums.items()}
-        self.rng, released = aggregation.noisy_average(
-            sums, mechanism, self.rng, self.standard_normal, self.expected_size,
-            xp=self.backend.namespace())
-        return released
+        return declared if self.budget is not None else None

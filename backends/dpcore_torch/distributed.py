@@ -143,11 +143,12 @@ class Workers:
                       mechanism) -> dict[str, torch.Tensor]:
         """``aggregator.release(per_record, mechanism=mechanism)`` of the step's union:
         each process releases its share's clipped sums over q n (process 0 with the noise)
-        and the results are added up; a release failing in one raises in all."""
+        and the results are added up; a release failing in one (a NaN value) raises in all
+        before any of them records it, so their ledgers stay alike."""
         error = released = None
         try:
             released = aggregator.release(per_record, mechanism=mechanism,
-                                          noise=self.draws_noise)
+                                          noise=self.draws_noise, agree=self.settle)
         except BaseException as raised:
             error = raised
         like = {leaf: v.new_zeros(v.shape[1:]) for leaf, v in per_record.items()}

@@ -168,7 +168,8 @@ def outcome(step) -> tuple[str, str] | None:
 
 def nan_record(out: Path, rank: int) -> dict:
     """q = 1, a NaN in record 1 (process 1's): both processes raise at the step, neither
-    releases; the next step (without it) runs in both."""
+    releases; the next step (without it) runs in both. A metric of the records, the NaN
+    among them, is refused in both before either records it."""
     model, opt, (x, y, index) = with_a_nan_record()
     F.cross_entropy(model(x), y).backward()
     error = outcome(opt.step)
@@ -177,7 +178,8 @@ def nan_record(out: Path, rank: int) -> dict:
     opt.zero_grad()
     F.cross_entropy(model(x[keep]), y[keep]).backward()
     opt.step()
-    return {"error": error, "after_failure": after_failure,
+    metric = outcome(lambda: opt.release({"loss": x[:, :1]}, LOSS_METRIC))
+    return {"error": error, "after_failure": after_failure, "metric": metric,
             "events": [type(e).__name__ for e in opt.ledger.events],
             "params": [p.detach().clone() for p in model.parameters()]}
 

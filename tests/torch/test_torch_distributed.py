@@ -159,6 +159,7 @@ def test_a_step_that_fails_in_one_process_fails_in_all_and_they_stay_in_step(ran
                                "or infinite norm (its error says which); nothing was released")
     for rank in nan:
         assert rank["after_failure"] == ["SamplingEvent"]
+        assert rank["metric"][0] == "NonFiniteNormError"  # process 0's recorded it before
         assert rank["events"] == ["SamplingEvent", "SamplingEvent", "SumQueryEvent"]
     for p, q in zip(nan[0]["params"], nan[1]["params"]):
         assert torch.equal(p, q)
