@@ -58,6 +58,18 @@ def test_standard_normal_advances_the_key_and_follows_the_dtype():
     assert not np.allclose(np.asarray(a, np.float32), np.asarray(b))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_noise_has_gaussian_tails(dtype):
+    """Drawn in its own dtype, JAX's normal never passed 3.49 (float16) or 2.89 (bfloat16)
+    standard deviations: a truncated Gaussian. Drawn in float32 and rounded, 2^20 values
+    hold about 66 beyond 4 (Poisson: fewer than 30 has probability below 1e-7)."""
+    backend = JaxBackend()
+    _, z = backend.standard_normal(backend.rng(0), (1 << 20,), jnp.zeros((), dtype))
+    z = np.asarray(z, np.float64)
+    assert z.dtype == np.float64 and np.sum(np.abs(z) > 4) > 30
+    assert abs(z.std() - 1) < 0.01
+
+
 def test_threefry_hash_matches_jax():
     """The written-out hash gives jax's Threefry-2x32 bits (its public reference function)."""
     from jax.extend.random import threefry_2x32
