@@ -2,6 +2,8 @@
 testing that the conformance suite catches them. Loaded with ``-p broken_backends``, it registers
 every one of them under its name in ``BROKEN``."""
 
+import weakref
+
 import numpy as np
 import torch
 from dpcore_tinytorch.backend import TinyTorchBackend
@@ -9,7 +11,7 @@ from dpcore_tinytorch.backend import TinyTorchBackend
 from dpcore import aggregation, plugins
 from dpcore.hookspecs import hookimpl
 from dpcore.ledger import SumQueryEvent
-from dpcore.sampling import PoissonSampler
+from dpcore.sampling import PoissonSampler, poisson_sample
 
 
 class NoiseTooSmall(TinyTorchBackend):
@@ -39,7 +41,7 @@ class LedgerDisagrees(TinyTorchBackend):
         aggregator.ledger.record_sum_queries([SumQueryEvent(g.name, g.clip, 1.25 * g.noise_std)
                                               for g in aggregator.mechanism.groups])
         aggregator.rng, released = aggregation.noisy_average(
-            sums, aggregator.mechanism, aggregator.rng, self.standard_normal,
+            sums, aggregator.mechanism, aggregator.rng, aggregator.standard_normal,
             aggregator.expected_size)
         return released
 
@@ -61,6 +63,151 @@ class FixedSizeBatches(TinyTorchBackend):
         return FixedSizeSampler(n, q, seed=seed)
 
 
+class UndeclaredCapabilities(ClippingSkipped):
+    """Per-example gradients and a step the core calls, but no capability declared: the
+    suite's checks of them would be skipped."""
+    capabilities = frozenset()
+
+
+class FusedStep(TinyTorchBackend):
+    """A fused step: the core's clipped sums, then noise drawn here leaf by leaf (correct;
+    the base of broken variants of its ``noise``)."""
+    def private_gradient(self, loss_fn, params, batch, aggregator, *, mask=None):
+        grads = self.per_example_grads(loss_fn, params, batch)
+        mech = aggregator.mechanism
+        factors = aggregator.clip_factors(aggregation.per_leaf_sq_norms(grads, mech.leaves),
+                                          mask=mask)
+        sums = aggregation.clipped_sum(grads, factors, mech, mech.leaves,
+                                       zero_rows=None if mask is None else ~mask)
+        aggregator.record_release()
+        noise = self.noise(aggregator, sums, batch[0].shape[0])
+        stds = aggregation.leaf_noise_stds(mech)
+        return {leaf: (sums[leaf] + stds[leaf] * noise[leaf]) / aggregator.expected_size
+                for leaf in mech.leaves}
+
+    def noise(self, aggregator, sums, records):
+        """N(0, 1) draws shaped like each leaf's sum."""
+        out = {}
+        for leaf, total in sums.items():
+            aggregator.rng, out[leaf] = aggregator.standard_normal(aggregator.rng,
+                                                                   tuple(total.shape), total)
+        return out
+
+
+class NoiseTooSmallOnRecords(FusedStep):
+    def noise(self, aggregator, sums, records):
+        noise = super().noise(aggregator, sums, records)
+        return {leaf: 0.9 * z for leaf, z in noise.items()} if records else noise
+
+
+class SmallLeavesUnnoised(FusedStep):
+    def noise(self, aggregator, sums, records):
+        return {leaf: z if z.numel() > 1 else 0 * z
+                for leaf, z in super().noise(aggregator, sums, records).items()}
+
+
+class GroupsShareNoise(FusedStep):
+    """Each group's noise from a generator seeded anew with the step's seed."""
+    def noise(self, aggregator, sums, records):
+        if aggregator.secure:
+            return super().noise(aggregator, sums, records)
+        seed = int(torch.randint(0, 2 ** 62, (1,), generator=aggregator.rng))
+        out = {}
+        for group in aggregator.mechanism.groups:
+            generator = torch.Generator().manual_seed(seed)
+            for leaf in group.leaves:
+                out[leaf] = torch.randn(tuple(sums[leaf].shape), generator=generator,
+                                        dtype=sums[leaf].dtype)
+        return out
+
+
+class LaplaceNoise(FusedStep):
+    """Laplace noise of unit standard deviation in the step."""
+    def noise(self, aggregator, sums, records):
+        out = {}
+        for leaf, z in super().noise(aggregator, sums, records).items():
+            u = torch.special.ndtr(z.double()) - 0.5  # the Laplace quantile of z's probability
+            out[leaf] = (-torch.sign(u) * torch.log1p(-2 * u.abs()) / 2 ** 0.5).to(z.dtype)
+        return out
+
+
+class NoiseRing(TinyTorchBackend):
+    """Five draws per generator and shape, handed out in turn and never refilled."""
+    def __init__(self):
+        self._pools = weakref.WeakKeyDictionary()
+
+    def standard_normal(self, rng, shape, like):
+        pool = self._pools.setdefault(rng, {}).setdefault((tuple(shape), like.dtype), [])
+        if len(pool) < 5:
+            pool.append(super().standard_normal(rng, shape, like)[1])
+        pool.append(pool.pop(0))
+        return rng, pool[-1].clone()
+
+
+class SharedNoiseBuffer(TinyTorchBackend):
+    """Fresh values, written into the same array at every draw of a shape."""
+    def __init__(self):
+        self._buffers = {}
+
+    def standard_normal(self, rng, shape, like):
+        rng, noise = super().standard_normal(rng, shape, like)
+        buffer = self._buffers.setdefault((tuple(shape), noise.dtype), torch.empty_like(noise))
+        return rng, buffer.copy_(noise)
+
+
+class TruncatedNoise(TinyTorchBackend):
+    """N(0, 1) redrawn beyond 4 standard deviations (its std is 0.9989)."""
+    def standard_normal(self, rng, shape, like):
+        rng, noise = super().standard_normal(rng, shape, like)
+        while (far := noise.abs() > 4).any():
+            noise[far] = super().standard_normal(rng, (int(far.sum()),), like)[1]
+        return rng, noise
+
+
+class CyclingNoise(TinyTorchBackend):
+    """Draws that repeat with period 65,536 (a chunked generator reusing its key)."""
+    def standard_normal(self, rng, shape, like):
+        size = int(np.prod(shape))
+        rng, block = super().standard_normal(rng, (min(size, 1 << 16),), like)
+        return rng, block.repeat(-(-size // (1 << 16)))[:size].reshape(shape)
+
+
+class Float64NoiseTooSmall(TinyTorchBackend):
+    def standard_normal(self, rng, shape, like):
+        rng, noise = super().standard_normal(rng, shape, like)
+        return rng, 0.9 * noise if noise.dtype == torch.float64 else noise
+
+
+class MaskIgnored(TinyTorchBackend):
+    def private_gradient(self, loss_fn, params, batch, aggregator, *, mask=None):
+        return super().private_gradient(loss_fn, params, batch, aggregator)
+
+
+class EpochSampler(PoissonSampler):
+    """Binomial batch sizes cut from a shuffled permutation of the records (a new one when the
+    rest is too short): every record at most once per epoch."""
+    _order, _next = np.arange(0), 0
+
+    def sample(self):
+        size = int(self._rng.binomial(self.n, self.q))
+        if self._next + size > self._order.size:
+            self._order, self._next = self._rng.permutation(self.n), 0
+        self._next += size
+        return np.sort(self._order[self._next - size:self._next])
+
+
+class RoundedRateSampler(PoissonSampler):
+    """Poisson sampling at rate 1 / round(1 / q), exact at q = 0.1 only."""
+    def sample(self):
+        return poisson_sample(self.n, 1 / round(1 / self.q), self._rng)
+
+
+def _sampling(sampler):
+    class Sampling(TinyTorchBackend):
+        def poisson_sampler(self, n, q, *, seed=None):
+            return sampler(n, q, seed=seed)
+    return Sampling
+
 BROKEN = {
     "noise_too_small": NoiseTooSmall,
     "clipping_skipped": ClippingSkipped,
@@ -68,6 +215,19 @@ BROKEN = {
     "ledger_disagrees": LedgerDisagrees,
     "batch_mean_gradients": BatchMeanGradients,
     "fixed_size_batches": FixedSizeBatches,
+    "undeclared_capabilities": UndeclaredCapabilities,
+    "noise_too_small_on_records": NoiseTooSmallOnRecords,
+    "small_leaves_unnoised": SmallLeavesUnnoised,
+    "groups_share_noise": GroupsShareNoise,
+    "laplace_noise": LaplaceNoise,
+    "noise_ring": NoiseRing,
+    "shared_noise_buffer": SharedNoiseBuffer,
+    "truncated_noise": TruncatedNoise,
+    "cycling_noise": CyclingNoise,
+    "float64_noise_too_small": Float64NoiseTooSmall,
+    "mask_ignored": MaskIgnored,
+    "epoch_sampler": _sampling(EpochSampler),
+    "rounded_rate_sampler": _sampling(RoundedRateSampler),
 }
 
 

@@ -7,6 +7,8 @@ they are skipped, with that reason, for backends that do not declare it.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -64,23 +66,36 @@ def pytest_runtest_setup(item):
 
 
 class Converter:
-    """Moves float64 reference data to the backend (as float32, which every backend supports)
-    and back."""
+    """Moves float64 reference data to the backend (as ``dtype``, float32 by default, which
+    every backend supports) and back (as float64)."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, dtype: str = "float32"):
         self.backend = backend
+        self.dtype = dtype
 
     def __call__(self, data):
         if isinstance(data, dict):
             return {k: self(v) for k, v in data.items()}
         if isinstance(data, tuple):
             return tuple(self(v) for v in data)
-        return self.backend.asarray(np.asarray(data, dtype=np.float32), dtype="float32")
+        return self.backend.asarray(np.asarray(data, dtype=self.dtype), dtype=self.dtype)
 
     def numpy(self, data):
         if isinstance(data, dict):
             return {k: self.numpy(v) for k, v in data.items()}
         return np.asarray(self.backend.to_numpy(data), dtype=np.float64)
+
+
+def converter(backend, dtype: str) -> Converter:
+    """A :class:`Converter` to ``dtype``; skips the calling test when the backend's arrays of
+    that dtype come back as another (JAX without x64 makes float64 arrays float32)."""
+    convert = Converter(backend, dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # JAX warns that float64 is not available
+        got = np.asarray(backend.to_numpy(convert(np.zeros(2)))).dtype
+    if got != np.dtype(dtype):
+        pytest.skip(f"backend {backend.name!r} makes {dtype} arrays {got}")
+    return convert
 
 
 @pytest.fixture(scope="session")

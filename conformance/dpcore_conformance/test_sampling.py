@@ -1,16 +1,21 @@
 """The backend's sampler: Poisson sampling, whose batch sizes follow Binomial(n, q), with every
-record equally likely and empty batches allowed."""
+record in every batch independently with probability q (so equally likely, never twice in a
+batch, and independently of the other batches), empty batches allowed."""
 
 import numpy as np
+import pytest
 from scipy import stats
 
 N, Q, DRAWS = 50, 0.1, 4000
 
 
+def draws(backend, seed, n=N, q=Q, count=DRAWS):
+    sampler = backend.poisson_sampler(n, q, seed=seed)
+    return [np.asarray(sampler.sample()).astype(int) for _ in range(count)]
+
+
 def test_batch_sizes_follow_the_binomial_law(backend):
-    sampler = backend.poisson_sampler(N, Q, seed=2024)
-    samples = [np.asarray(sampler.sample()) for _ in range(DRAWS)]
-    sizes = np.array([s.size for s in samples])
+    sizes = np.array([s.size for s in draws(backend, 2024)])
     # chi-square goodness of fit to Binomial(50, 0.1), sizes >= 11 pooled (expected count >= 5
     # per bin); fixed-size batches, or a rate 10% off (z ~ 15 on the mean), give p ~ 0.
     observed = np.array([np.sum(sizes == k) for k in range(11)] + [np.sum(sizes >= 11)])
@@ -23,25 +28,54 @@ def test_batch_sizes_follow_the_binomial_law(backend):
 
 
 def test_every_record_is_equally_likely(backend):
-    sampler = backend.poisson_sampler(N, Q, seed=7)
-    rows = np.concatenate([np.asarray(sampler.sample()) for _ in range(DRAWS)]).astype(int)
-    counts = np.bincount(rows, minlength=N)
+    """Each record's count in DRAWS batches is Binomial(DRAWS, Q), independently: the sum of
+    their squared standardised deviations is chi-square with N degrees of freedom, checked
+    two-sided (p > 1e-6 either way): too uneven counts, or too even ones, as when batches are
+    cut from a shuffled epoch (each record once per epoch)."""
+    counts = np.bincount(np.concatenate(draws(backend, 7)), minlength=N)
     assert counts.size == N, "sampled indices outside range(n)"
-    se = np.sqrt(DRAWS * Q * (1 - Q))  # Binomial(DRAWS, Q) per record
-    assert np.all(np.abs(counts - DRAWS * Q) < 4.5 * se)
+    statistic = np.sum((counts - DRAWS * Q) ** 2) / (DRAWS * Q * (1 - Q))
+    p = 2 * min(stats.chi2.cdf(statistic, N), stats.chi2.sf(statistic, N))
+    assert p > 1e-6, (
+        f"per-record counts in {DRAWS} batches have variance {counts.var():.1f}, expected "
+        f"{DRAWS * Q * (1 - Q):.0f} (chi-square {statistic:.1f} on {N} degrees of freedom, "
+        f"two-sided p = {p:.2g})")
+
+
+def test_consecutive_batches_are_independent(backend):
+    """Two independent Poisson samples share Binomial(N, Q^2) records: the total overlap of
+    DRAWS - 1 consecutive pairs has mean (DRAWS - 1) N Q^2 = 2000 and standard deviation at
+    most sqrt((DRAWS - 1) N Q^2 (1 + 2 Q)) = 49 (neighbouring pairs share a batch); the
+    tolerance is 6 of them. Batches cut from a shuffled epoch never overlap within it."""
+    samples = draws(backend, 11)
+    overlap = sum(np.intersect1d(a, b).size for a, b in zip(samples, samples[1:]))
+    mean = (DRAWS - 1) * N * Q ** 2
+    bound = 6 * np.sqrt(mean * (1 + 2 * Q))
+    assert abs(overlap - mean) < bound, (
+        f"consecutive batches share {overlap} records in all, expected {mean:.0f} +- "
+        f"{bound:.0f}: batches are not drawn independently")
+
+
+@pytest.mark.parametrize("q", [0.3, 0.37])
+def test_the_sampling_rate_is_q(backend, q):
+    """Mean batch size of 500 samples of 1000 records, within 6 standard errors
+    sqrt(1000 q (1 - q) / 500) (about 0.13% of q n) of q n: a rate rounded to 1/round(1/q) is
+    10% off."""
+    sizes = np.array([s.size for s in draws(backend, 5, n=1000, q=q, count=500)])
+    se = np.sqrt(1000 * q * (1 - q) / 500)
+    assert abs(sizes.mean() - 1000 * q) < 6 * se, (
+        f"mean batch size {sizes.mean():.2f} at q = {q}, n = 1000, expected {1000 * q:.0f} "
+        f"+- {6 * se:.2f}")
 
 
 def test_samples_hold_distinct_records(backend):
-    sampler = backend.poisson_sampler(N, 0.5, seed=3)
-    for _ in range(200):
-        s = np.asarray(sampler.sample())
+    for s in draws(backend, 3, q=0.5, count=200):
         assert np.unique(s).size == s.size, "a record was sampled twice in one batch"
 
 
 def test_sampler_seeds_reproduce_and_differ(backend):
     def run(seed):
-        sampler = backend.poisson_sampler(N, Q, seed=seed)
-        return [np.asarray(sampler.sample()).tolist() for _ in range(30)]
+        return [s.tolist() for s in draws(backend, seed, count=30)]
 
-    assert run(5) == run(5)
-    assert run(5) != run(6)
+    assert run(5) == run(5), "two samplers with seed 5 drew different batches"
+    assert run(5) != run(6), "samplers with seeds 5 and 6 drew the same batches"
