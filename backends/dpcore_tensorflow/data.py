@@ -12,6 +12,7 @@ sample size.
 
 from __future__ import annotations
 
+import collections.abc
 import math
 import weakref
 from typing import Sequence
@@ -23,6 +24,9 @@ from dpcore import _validation as check
 from dpcore.sampling import PoissonSampler
 
 _SAMPLINGS = weakref.WeakKeyDictionary()  # dataset of poisson_dataset -> its sampler's (n, q)
+# tf.data's transformations that store the elements they pass and replay them when iterated
+# again (.cache(), .snapshot(), tf.data.experimental.snapshot), by class name
+REPLAYING = frozenset({"CacheDataset", "_SnapshotDataset", "_LegacySnapshotDataset"})
 
 
 def default_capacity(n: int, q: float) -> int:
@@ -56,6 +60,13 @@ def poisson_dataset(x, y: np.ndarray, *, q: float | None = None, steps: int,
     weight slot; the private model uses it as the padding mask. The dataset is marked with
     the sampler's (n, q), which a private model's ``fit`` checks (:func:`samplings`).
     """
+    if isinstance(y, collections.abc.Mapping) or (
+            isinstance(y, (list, tuple)) and any(tf.is_tensor(t) or isinstance(t, np.ndarray)
+                                                 for t in y)):
+        raise ValueError(f"y must be one array of targets, got a {type(y).__name__} of them: a "
+                         f"private model clips one loss per example. For several outputs, "
+                         f"combine their losses in one loss function (of y and the outputs) "
+                         f"and pass y as one array")
     x, y = tf.nest.map_structure(np.asarray, x), np.asarray(y)
     inputs = tf.nest.flatten(x)
     n = check.count("number of records", len(inputs[0]), minimum=1)
@@ -91,14 +102,24 @@ def poisson_dataset(x, y: np.ndarray, *, q: float | None = None, steps: int,
 def samplings(dataset: tf.data.Dataset) -> set[tuple[int, float]]:
     """The (n, q) of every :func:`poisson_dataset` that ``dataset`` is made from (found by
     walking back through the datasets' inputs); empty if none."""
-    found, seen, todo = set(), set(), [dataset]
+    return {_SAMPLINGS[d] for d in _walk(dataset) if d in _SAMPLINGS}
+
+
+def replays(dataset: tf.data.Dataset) -> list[str]:
+    """The class names of the transformations between ``dataset`` and its
+    :func:`poisson_dataset` sources that store elements to replay them (:data:`REPLAYING`)."""
+    return [type(d).__name__ for d in _walk(dataset) if type(d).__name__ in REPLAYING]
+
+
+def _walk(dataset: tf.data.Dataset):
+    """``dataset`` and the datasets it is made from, back to the :func:`poisson_dataset`
+    sources (not walked into) and the first datasets."""
+    seen, todo = set(), [dataset]
     while todo:
         dataset = todo.pop()
         if id(dataset) in seen:
             continue
         seen.add(id(dataset))
-        if dataset in _SAMPLINGS:
-            found.add(_SAMPLINGS[dataset])
-        else:
+        yield dataset
+        if dataset not in _SAMPLINGS:
             todo.extend(dataset._inputs())
-    return found

@@ -33,8 +33,8 @@ from dpcore import Mechanism, PrivateAggregator, flat, per_layer
 from dpcore.aggregation import NonFiniteNormError
 
 from .bookkeeping import leaf_names
-from .data import default_capacity, poisson_dataset, samplings
-from .step import PrivateGradients, check_strategy
+from .data import default_capacity, poisson_dataset, replays, samplings
+from .step import PrivateGradients, check_strategy, per_example_loss
 
 CLIPPINGS = ("flat", "per_layer")
 
@@ -42,9 +42,12 @@ CLIPPINGS = ("flat", "per_layer")
 class _State:
     """Untracked by Keras: the aggregator, the DP step and the per-step clip/noise inputs."""
 
-    def __init__(self, aggregator: PrivateAggregator, mode: str, check_independence: bool):
+    def __init__(self, aggregator: PrivateAggregator, mode: str, check_independence: bool,
+                 leaves: list[str]):
         self.aggregator, self.mode = aggregator, mode
         self.check_independence = check_independence
+        self.leaves = leaves  # the trainable variables' paths at make_private
+        self.losses_checked = False  # the model's training call was found to add no losses
         self.dp: PrivateGradients | None = None
         self.clips: tf.Variable | None = None
         self.stds: tf.Variable | None = None
@@ -65,7 +68,15 @@ class PrivateModel(keras.Model):
                  mode: str = "auto", check_independence: bool = True, **kwargs):
         super().__init__(name=kwargs.pop("name", f"private_{model.name}"), **kwargs)
         self.model = model
-        self._dp_state = _State(aggregator, mode, check_independence)
+        self._dp_state = _State(aggregator, mode, check_independence, leaf_names(model))
+        self.built = True  # its model is (make_private checks): for save_weights, checkpoints
+
+    def get_config(self):
+        raise NotImplementedError(
+            f"{self.name!r} cannot be saved whole (save, ModelCheckpoint to .keras): its "
+            f"aggregator and ledger are not Keras state. Save private.model (the wrapped Keras "
+            f"model), or its weights (save_weights, ModelCheckpoint(save_weights_only=True)); "
+            f"the ledger file is the run's record")
 
     @property
     def aggregator(self) -> PrivateAggregator:
@@ -78,6 +89,7 @@ class PrivateModel(keras.Model):
         if loss is None:
             raise ValueError("a private model needs its loss at compile time (one loss per "
                              "example is clipped)")
+        per_example_loss(loss)  # one loss, of a kind the step can take per example
         if kwargs.get("steps_per_execution", 1) != 1:
             raise ValueError(f"steps_per_execution must be 1 for a private model (the ledger "
                              f"is written before every step), got {kwargs['steps_per_execution']}")
@@ -87,6 +99,16 @@ class PrivateModel(keras.Model):
     def _build_dp(self) -> PrivateGradients:
         state = self._dp_state
         if state.dp is None:
+            now, then = set(leaf_names(self.model)), set(state.leaves)
+            if now != then:
+                changes = [f"{what} {sorted(names)}" for what, names in
+                           (("now trainable:", now - then), ("no longer trainable:", then - now))
+                           if names]
+                raise ValueError(
+                    f"the model's trainable variables changed since make_private (a layer's "
+                    f"trainable set?), {'; '.join(changes)}: the mechanism's groups are those "
+                    f"at make_private. Call make_private again (close this ledger first: "
+                    f"reopening the same ledger path continues the run)")
             state.dp = PrivateGradients(self.model, self.loss, state.aggregator, mode=state.mode,
                                         check_independence=state.check_independence)
             groups, leaves = len(state.dp.clipper.structure), len(state.dp.clipper.leaves)
@@ -118,6 +140,31 @@ class PrivateModel(keras.Model):
         if replica is not None and replica.num_replicas_in_sync > 1:  # every replica's records
             nonfinite = replica.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
         return {**logs, "nonfinite_records": nonfinite}
+
+    def _check_no_added_losses(self, x) -> None:
+        """Raise if the model's training call adds losses (``add_loss``), which the DP step
+        would leave out. Traced once on ``x`` (a batch or its spec), not run: nothing changes."""
+        state = self._dp_state
+        if state.losses_checked:
+            return
+        added = []
+
+        def forward(x):
+            with keras.StatelessScope(collect_losses=True) as scope:
+                self.model(x, training=True)
+            added.extend(id(loss) for loss in scope.losses)
+
+        tf.function(forward).get_concrete_function(x)
+        if added:
+            layers = sorted({layer.name for layer in self.model._flatten_layers()
+                             if set(getattr(layer, "_loss_ids", ())) & set(added)})
+            raise ValueError(
+                f"layers {layers} of model {self.model.name!r} add losses in training "
+                f"(add_loss); the DP step clips per-example losses only and would ignore them. "
+                f"Remove them (weight decay on the optimizer, e.g. SGD(weight_decay=...), is "
+                f"applied after the private gradient and costs no privacy; a penalty on an "
+                f"example's own outputs belongs in the loss function)")
+        state.losses_checked = True
 
     @property
     def _applying_optimizer(self):
@@ -216,6 +263,7 @@ class PrivateModel(keras.Model):
                              f"{np.setdiff1d(weights, (0, 1))[:3]}: weights do not apply "
                              f"(every record's clipped gradient counts once); pass a bool "
                              f"mask or none")
+        self._check_no_added_losses(x)
         return super().train_on_batch(x, y, sample_weight=sample_weight,
                                       return_dict=return_dict)
 
@@ -253,6 +301,18 @@ class PrivateModel(keras.Model):
                     f"batches with a bool padding mask (dpcore_tensorflow.poisson_dataset); got "
                     f"elements {spec}. Fixed-size batches would be accounted as Poisson samples "
                     f"they are not, and sample weights do not apply")
+            if tf.nest.is_nested(x.element_spec[1]):
+                raise ValueError(
+                    f"a private model's targets y must be one tensor, got {x.element_spec[1]}: "
+                    f"it clips one loss per example. For several outputs, combine their losses "
+                    f"in one loss function (of y and the outputs)")
+            stored = replays(x)
+            if stored:
+                raise ValueError(
+                    f"the dataset stores Poisson samples and replays them ({', '.join(stored)}, "
+                    f"from .cache() or .snapshot()): the steps would repeat samples the ledger "
+                    f"prices as independent. Cache the arrays, not the samples: give the records "
+                    f"to poisson_dataset as arrays (it draws fresh samples each pass)")
             agg, found = self.aggregator, samplings(x)
             if found != {(agg.n, agg.q)}:
                 got = (f"samples of (n, q) in {sorted(found)}" if found else
@@ -269,6 +329,7 @@ class PrivateModel(keras.Model):
             arrays = (x, y)
             x = poisson_dataset(x, y, sampler=agg.sampler, steps=steps, capacity=capacity)
             y, steps_per_epoch = None, None
+        self._check_no_added_losses(x.element_spec[0])
         if replicas > 1:
             # the replicas get parts of each batch; the check needs whole ones (on the host):
             # until it is done, each step checks a batch drawn for it alone (not trained on;

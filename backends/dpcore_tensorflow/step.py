@@ -16,6 +16,7 @@ clipping's count queries are not part of the fused step (use ``backend.private_g
 
 from __future__ import annotations
 
+import collections.abc
 import math
 from typing import Callable
 
@@ -38,6 +39,11 @@ def per_example_loss(loss) -> Callable:
     unmasked positions, what Keras gives for a batch of that example alone (Keras's batch
     loss weights the examples by their numbers of positions, which would make one record's
     loss depend on the others)."""
+    if isinstance(loss, (collections.abc.Mapping, list, tuple)):
+        raise ValueError(f"loss must be one loss of the model's output, got a "
+                         f"{type(loss).__name__} of {len(loss)}: DP clips one loss per "
+                         f"example. For several outputs, combine their losses in one function "
+                         f"(y_true, y_pred) -> per-example losses")
     if isinstance(loss, keras.losses.Loss):
         fn = loss.call
     else:

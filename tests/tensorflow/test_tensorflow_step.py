@@ -569,3 +569,111 @@ def test_a_custom_loops_function_takes_fresh_host_normals_and_refuses_traced_one
         drawn_inside(x, y, mask, *inputs())
     with pytest.raises(ValueError, match="a constant of the traced function"):
         constant(x, y, mask, *inputs())
+
+
+def mlp(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((4,)), L.Dense(5, name="d1"), L.Dense(3, name="d2")])
+
+
+def records(n=40, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 4)).astype("float32"), rng.integers(0, 3, n).astype("int32")
+
+
+@pytest.mark.parametrize("store", ["cache", "snapshot", "cache_then_repeat"])
+def test_fit_refuses_stored_samples_and_repeat_draws_fresh_ones(tmp_path, store):
+    """A cached dataset replays its samples each pass, which the ledger would price as fresh
+    Poisson samples; .repeat() on poisson_dataset runs its generator again (new samples)."""
+    x, y = records()
+    private = make_private(mlp(), n=40, q=0.1, seed=0)
+    private.compile(optimizer="sgd", loss=CE)
+    agg, drawn = private.aggregator, []
+    sample = agg.sampler.sample
+    agg.sampler.sample = lambda: drawn.append(1) or sample()
+    private.fit(poisson_dataset(x, y, sampler=agg.sampler, steps=2).repeat(2), verbose=0)
+    assert len(drawn) == 4 and agg.ledger.steps() == [dpcore.Step(0.1, 1.0, 4)]
+    source = poisson_dataset(x, y, sampler=agg.sampler, steps=2)
+    dataset = {"cache": lambda: source.cache(),
+               "snapshot": lambda: source.snapshot(str(tmp_path / "snap")),
+               "cache_then_repeat": lambda: source.cache().map(lambda *b: b).repeat(2)}[store]()
+    with pytest.raises(ValueError, match=r"replays them.*Cache the arrays, not the samples"):
+        private.fit(dataset, epochs=2, verbose=0)
+    assert agg.ledger.steps() == [dpcore.Step(0.1, 1.0, 4)]
+
+
+def test_weights_save_load_and_checkpoint_but_not_the_whole_private_model(tmp_path):
+    x, y = records()
+    private = make_private(mlp(), n=40, q=0.1, seed=0)
+    private.compile(optimizer=keras.optimizers.SGD(0.5), loss=CE)
+    checkpoint = keras.callbacks.ModelCheckpoint(tmp_path / "ck.weights.h5",
+                                                 save_weights_only=True)
+    private.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0, callbacks=[checkpoint])
+    trained = [v.numpy() for v in private.model.weights]
+    private.save_weights(tmp_path / "p.weights.h5")
+    for path in ("ck.weights.h5", "p.weights.h5"):
+        other = make_private(mlp(1), n=40, q=0.1)
+        other.load_weights(tmp_path / path)
+        for a, b in zip(trained, other.model.weights):
+            np.testing.assert_array_equal(a, b.numpy())
+    with pytest.raises(NotImplementedError, match=r"Save private\.model.*ledger file"):
+        private.save(tmp_path / "p.keras")
+
+
+def test_several_losses_or_targets_are_refused():
+    """One loss per example is clipped: a dict or list of losses (several outputs) or of
+    targets is refused with a message, not an error deep in Keras or numpy."""
+    x, y = records()
+    private = make_private(mlp(), n=40, q=0.1, seed=0)
+    for loss in ({"d2": CE}, [CE, "mse"]):
+        with pytest.raises(ValueError, match="one loss of the model's output.*combine"):
+            private.compile(optimizer="sgd", loss=loss)
+    private.compile(optimizer="sgd", loss=CE)
+    for targets in ({"d2": y}, [y, y]):
+        with pytest.raises(ValueError, match="y must be one array.*combine"):
+            private.fit(x, targets, verbose=0)
+        with pytest.raises(ValueError, match="y must be one array"):
+            poisson_dataset(x, targets, q=0.1, steps=1)
+    mask = np.ones(40, bool)
+    nested = tf.data.Dataset.from_tensor_slices((x, (y, y), mask)).batch(4)
+    with pytest.raises(ValueError, match="targets y must be one tensor.*combine"):
+        private.fit(nested, verbose=0)
+    assert len(private.aggregator.ledger.events) == 0
+
+
+class Penalty(L.Layer):
+    def call(self, h, training=None):
+        if training:
+            self.add_loss(keras.ops.mean(h ** 2))
+        return h
+
+
+def test_added_losses_are_refused_before_anything_is_recorded():
+    x, y = records()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), L.Dense(5), Penalty(name="pen"), L.Dense(3)])
+    private = make_private(model, n=40, q=0.1, seed=0)
+    private.compile(optimizer="sgd", loss=CE)
+    before = [v.numpy() for v in model.weights]
+    with pytest.raises(ValueError, match=r"\['pen'\].*add_loss.*weight_decay"):
+        private.fit(x, y, verbose=0)
+    with pytest.raises(ValueError, match=r"\['pen'\].*add_loss"):
+        private.train_on_batch(x[:6], y[:6])
+    assert len(private.aggregator.ledger.events) == 0
+    for a, b in zip(before, model.weights):
+        np.testing.assert_array_equal(a, b.numpy())
+
+
+@pytest.mark.parametrize("frozen_at_make_private", [False, True])
+def test_a_trainable_set_changed_since_make_private_is_refused(frozen_at_make_private):
+    x, y = records()
+    model = mlp()
+    model.get_layer("d1").trainable = not frozen_at_make_private
+    private = make_private(model, n=40, q=0.1, seed=0)
+    model.get_layer("d1").trainable = frozen_at_make_private
+    private.compile(optimizer="sgd", loss=CE)
+    changed = "now trainable" if frozen_at_make_private else "no longer trainable"
+    with pytest.raises(ValueError, match=rf"changed since make_private.*{changed}: "
+                                         rf"\['\S*d1/bias', '\S*d1/kernel'\].*make_private again"):
+        private.fit(x, y, verbose=0)
+    assert len(private.aggregator.ledger.events) == 0
