@@ -27,6 +27,13 @@ _SAMPLINGS = weakref.WeakKeyDictionary()  # dataset of poisson_dataset -> its sa
 # tf.data's transformations that store the elements they pass and replay them when iterated
 # again (.cache(), .snapshot(), tf.data.experimental.snapshot), by class name
 REPLAYING = frozenset({"CacheDataset", "_SnapshotDataset", "_LegacySnapshotDataset"})
+# ... and those that drop samples by their content (the steps taken would depend on the data)
+# or cut and regroup records (batches that are not the samples drawn), by class name
+REGROUPING = frozenset({
+    "_FilterDataset", "_TakeWhileDataset", "_IgnoreErrorsDataset", "_UniqueDataset",
+    "_BatchDataset", "_PaddedBatchDataset", "_UnbatchDataset", "_RebatchDataset",
+    "_FlatMapDataset", "_InterleaveDataset", "_ParallelInterleaveDataset",
+    "_GroupByWindowDataset", "_WindowDataset", "_ScanDataset"})
 
 
 def default_capacity(n: int, q: float) -> int:
@@ -105,10 +112,10 @@ def samplings(dataset: tf.data.Dataset) -> set[tuple[int, float]]:
     return {_SAMPLINGS[d] for d in _walk(dataset) if d in _SAMPLINGS}
 
 
-def replays(dataset: tf.data.Dataset) -> list[str]:
-    """The class names of the transformations between ``dataset`` and its
-    :func:`poisson_dataset` sources that store elements to replay them (:data:`REPLAYING`)."""
-    return [type(d).__name__ for d in _walk(dataset) if type(d).__name__ in REPLAYING]
+def transformations(dataset: tf.data.Dataset, names: frozenset) -> list[str]:
+    """The class names, among ``names``, of the transformations between ``dataset`` and its
+    :func:`poisson_dataset` sources."""
+    return [type(d).__name__ for d in _walk(dataset) if type(d).__name__ in names]
 
 
 def _walk(dataset: tf.data.Dataset):

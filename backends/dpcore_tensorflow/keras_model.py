@@ -33,7 +33,8 @@ from dpcore import Mechanism, PrivateAggregator, flat, per_layer
 from dpcore.aggregation import NonFiniteNormError
 
 from .bookkeeping import leaf_names
-from .data import default_capacity, poisson_dataset, replays, samplings
+from .data import (REGROUPING, REPLAYING, default_capacity, poisson_dataset, samplings,
+                   transformations)
 from .step import PrivateGradients, check_strategy, per_example_loss
 
 CLIPPINGS = ("flat", "per_layer")
@@ -306,7 +307,14 @@ class PrivateModel(keras.Model):
                     f"a private model's targets y must be one tensor, got {x.element_spec[1]}: "
                     f"it clips one loss per example. For several outputs, combine their losses "
                     f"in one loss function (of y and the outputs)")
-            stored = replays(x)
+            altered = transformations(x, REGROUPING)
+            if altered:
+                raise ValueError(
+                    f"the dataset drops, cuts or regroups Poisson samples ({', '.join(altered)}): "
+                    f"a filter by content makes the steps taken depend on the data (skipping "
+                    f"empty samples, say), and regrouped records are batches the ledger does not "
+                    f"describe. Transform each sample with map, and train on every sample")
+            stored = transformations(x, REPLAYING)
             if stored:
                 raise ValueError(
                     f"the dataset stores Poisson samples and replays them ({', '.join(stored)}, "

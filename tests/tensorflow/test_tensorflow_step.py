@@ -246,16 +246,22 @@ def test_fit_on_a_poisson_dataset_and_a_custom_loop_share_the_ledger():
     assert agg.ledger.steps() == [dpcore.Step(0.1, 0.5, 5)]
 
 
+def of_unknown_length(dataset):
+    """``dataset``'s elements, in a dataset whose cardinality tf.data does not know."""
+    selector = tf.data.Dataset.from_tensors(np.int64(0)).repeat()
+    return tf.data.Dataset.choose_from_datasets([dataset], selector)
+
+
 @pytest.mark.parametrize("steps_per_epoch, epochs", [(None, 2), (5, 1)])
 def test_the_end_of_a_dataset_of_unknown_length_records_no_step(steps_per_epoch, epochs):
-    """A dataset whose end Keras cannot know (after a filter), also with steps_per_epoch
-    past its end: the call that finds no batch writes nothing, so the ledger holds exactly
-    the steps trained on (Keras's optimizer.iterations counts that call too)."""
+    """A dataset whose end Keras cannot know (chosen from by a selector), also with
+    steps_per_epoch past its end: the call that finds no batch writes nothing, so the ledger
+    holds exactly the steps trained on (Keras's optimizer.iterations counts that call too)."""
     x, y = data(200, seed=10)
     private = make_private(cnn(10), n=200, batch_size=20, noise_multiplier=0.5, seed=0)
     private.compile(optimizer="sgd", loss=CE)
     agg = private.aggregator
-    dataset = poisson_dataset(x, y, sampler=agg.sampler, steps=3).filter(lambda *batch: True)
+    dataset = of_unknown_length(poisson_dataset(x, y, sampler=agg.sampler, steps=3))
     assert int(dataset.cardinality()) == tf.data.UNKNOWN_CARDINALITY
     trained = []
 
@@ -293,15 +299,37 @@ def test_fit_refuses_a_dataset_not_sampled_at_the_aggregators_n_and_q(source):
     private.compile(optimizer="sgd", loss=CE)
     agg = private.aggregator
     datasets = {
-        "rate": lambda: poisson_dataset(x, y, q=0.5, steps=2).filter(lambda *batch: True),
+        "rate": lambda: poisson_dataset(x, y, q=0.5, steps=2).map(lambda *batch: batch),
         "records": lambda: poisson_dataset(x[:20], y[:20], q=agg.q, steps=2),
-        "own": lambda: tf.data.Dataset.from_tensor_slices((x, y, np.ones(40, bool))).batch(4),
+        "own": lambda: tf.data.Dataset.from_tensor_slices(
+            (x.reshape(10, 4, *x.shape[1:]), y.reshape(10, 4), np.ones((10, 4), bool))),
         "zipped": lambda: tf.data.Dataset.zip(
             poisson_dataset(x, y, sampler=agg.sampler, steps=2),
             poisson_dataset(x, y, q=0.5, steps=2)).map(lambda a, b: a)}
     with pytest.raises(ValueError, match=r"Poisson samples at the aggregator's n=40, q=0\.1.*"
                                          r"sampler=private\.aggregator\.sampler"):
         private.fit(datasets[source](), epochs=1, verbose=0)
+    assert len(agg.ledger.events) == 0
+
+
+@pytest.mark.parametrize("change", ["filter", "batch", "unbatch", "flat_map"])
+def test_fit_refuses_a_dataset_that_drops_or_regroups_samples(change):
+    """A filter by content makes the steps taken depend on the data (skipping empty samples,
+    say: the dataset looked like the aggregator's and was trained on); regrouped records are
+    batches the ledger does not describe."""
+    x, y = data(40, seed=10)
+    private = make_private(cnn(10), n=40, batch_size=4, noise_multiplier=1.0, seed=0)
+    private.compile(optimizer="sgd", loss=CE)
+    agg = private.aggregator
+    dataset = poisson_dataset(x, y, sampler=agg.sampler, steps=2)
+    changed = {
+        "filter": lambda: dataset.filter(lambda x, y, mask: tf.reduce_any(mask)),
+        "batch": lambda: dataset.batch(1).map(lambda x, y, m: (x[0], y[0], m[0])),
+        "unbatch": lambda: dataset.unbatch().batch(4),
+        "flat_map": lambda: dataset.flat_map(
+            lambda *batch: tf.data.Dataset.from_tensors(batch).repeat(2))}[change]()
+    with pytest.raises(ValueError, match="drops, cuts or regroups Poisson samples"):
+        private.fit(changed, epochs=1, verbose=0)
     assert len(agg.ledger.events) == 0
 
 
