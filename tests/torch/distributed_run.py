@@ -288,6 +288,7 @@ def main(out: str) -> None:
                "failed_micro_batch": failed_micro_batch(out, rank),
                "resumed": resumed(out, rank), "refusals": refusals(out, rank)}
     torch.save(results, out / f"rank{rank}.pt")
+    dist.barrier()  # both done before either tears the group down
     dist.destroy_process_group()
 
 
