@@ -2,10 +2,13 @@
 
 import math
 
+import numpy as np
 import pytest
 
 from dpcore.accounting import (Guarantee, delta_for_epsilon, epsilon, guarantee,
                                make_accountant, remaining_steps)
+from dpcore.accounting.guarantee import _largest_true
+from dpcore.accounting.rdp import RDPAccountant, _step_rdp, rdp_subsampled_gaussian
 from dpcore.ledger import Ledger, LedgerError, Step, SumQueryEvent, read_ledger
 
 
@@ -117,3 +120,39 @@ def test_a_step_object_gets_the_type_checks_a_tuple_gets(step):
     """numpy would read True as q = 1 and "0.01" as 0.01."""
     with pytest.raises(TypeError, match="must be a real number"):
         epsilon([step], 1e-5)
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_remaining_steps_after_many_noise_levels_fits_the_budget_exactly(accountant):
+    # a clip schedule's ledger: every step its own z; the PLD search starts from RDP's count
+    past = [Step(0.05, float(z), 1) for z in np.linspace(1.0, 1.5, 12)]
+    k = remaining_steps(past, 0.05, 1.5, 2.0, 1e-5, accountant=accountant)
+    assert epsilon(past + [(0.05, 1.5, k)], 1e-5, accountant=accountant) <= 2.0
+    assert epsilon(past + [(0.05, 1.5, k + 1)], 1e-5, accountant=accountant) > 2.0
+
+
+def test_the_search_finds_the_largest_fitting_count_from_any_guess():
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        limit = int(rng.choice([1, 2, 3, 10, 100, 10**9]))
+        answer = int(rng.integers(0, limit + 1))
+        for guess in (None, 0, 1, answer, max(answer - 3, 0), answer + 5, 2 * limit + 1,
+                      int(rng.integers(0, limit + 1))):
+            probes = []
+
+            def fits(k):
+                assert 0 <= k <= limit, f"probe {k} outside [0, {limit}]"
+                probes.append(k)
+                return k <= answer
+
+            assert _largest_true(fits, limit, guess) == answer, (limit, answer, guess)
+            assert len(probes) <= 4 * math.log2(limit + 2) + 4, (limit, answer, guess, probes)
+
+
+def test_rdp_of_a_step_is_kept_read_only():
+    kept = _step_rdp(0.01, 1.0, (2.0, 3.5))
+    with pytest.raises(ValueError, match="read-only"):
+        kept[0] = 0.0
+    acc = RDPAccountant([(0.01, 1.0, 10)], orders=[2.0, 3.5])
+    acc.rdp[0] = 1e9  # a copy
+    np.testing.assert_array_equal(acc.rdp, 10 * rdp_subsampled_gaussian(0.01, 1.0, [2.0, 3.5]))

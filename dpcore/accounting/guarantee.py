@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from .. import _validation as check
-from .pld import PLDAccountant
+from .pld import PLDAccountant, reusing_step_plds
 from .rdp import RDPAccountant
 from .steps import Source, as_steps
 
@@ -94,29 +94,52 @@ def remaining_steps(source: Source, q: float, noise_multiplier: float, target_ep
     max_steps = check.count("max_steps", max_steps)
     past = as_steps(source)
 
-    def fits(k: int) -> bool:
+    def fits(k: int, kind: str = accountant, kind_options: dict = options) -> bool:
         steps = past + ([(q, z, k)] if k else [])
-        return make_accountant(steps, accountant, **options).epsilon(delta) <= target_epsilon
+        return make_accountant(steps, kind, **kind_options).epsilon(delta) <= target_epsilon
 
-    if not fits(0):
-        return 0
-    if q == 0 or math.isinf(z):
-        return max_steps
-    if z == 0:
-        return 0
-    return _largest_true(fits, max_steps)
+    with reusing_step_plds():
+        if not fits(0):
+            return 0
+        if q == 0 or math.isinf(z):
+            return max_steps
+        if z == 0:
+            return 0
+        guess = None
+        if accountant != RDPAccountant.name:  # RDP's count, cheap, is near PLD's
+            shared = {k: options[k] for k in ("noise_resolution", "max_groups") if k in options}
+            guess = _largest_true(lambda k: fits(k, RDPAccountant.name, shared), max_steps)
+        return _largest_true(fits, max_steps, guess)
 
 
-def _largest_true(fits, limit: int) -> int:
-    """The largest k in [0, limit] with fits(k), given fits(0) and fits monotone
-    (true up to some k, false after)."""
-    lo, hi = 0, 1
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    if hi > limit:
-        if fits(limit):
-            return limit
-        hi = limit
+def _largest_true(fits, limit: int, guess: int | None = None) -> int:
+    """The largest k in [0, limit] with fits(k), given fits(0) and fits monotone (true up to
+    some k, false after). A ``guess`` near the answer saves probes: the search gallops from
+    it in steps of guess / 8, doubling, before it bisects."""
+    lo, hi = 0, None
+    if guess:
+        guess = min(guess, limit)
+        step = max(1, guess // 8)
+        if fits(guess):
+            lo = guess
+            while lo < limit and fits(min(lo + step, limit)):
+                lo, step = min(lo + step, limit), 2 * step
+            if lo == limit:
+                return limit
+            hi = min(lo + step, limit)
+        else:
+            hi = guess
+            while hi - step > 0 and not fits(hi - step):
+                hi, step = hi - step, 2 * step
+            lo = max(hi - step, 0)
+    else:
+        hi = 1
+        while hi <= limit and fits(hi):
+            lo, hi = hi, hi * 2
+        if hi > limit:
+            if fits(limit):
+                return limit
+            hi = limit
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if fits(mid):

@@ -22,8 +22,9 @@ the exact profile at the grid points, joined to (x=0, delta=1) on the left and c
 beyond the last point. Because the exact profile is convex in x, the interpolation lies above
 it everywhere, so the discrete pair dominates the exact one; the mass on grid point i is
 x_i times the jump in slope there, and the profile value at the last point is mass at +inf.
-The grid covers the losses of all but ``tail_mass / (number of steps)`` of P's mass; the
-tail mass above is exactly the +inf mass, the mass below is moved up to the first point
+The grid covers the losses of all but ``tail_mass / (number of steps)`` of P's mass (rounded
+down to a power of two, so that a step's grid stays the same while its ledger grows: a
+budget's search reuses it, :func:`reusing_step_plds`); the tail mass above is exactly the +inf mass, the mass below is moved up to the first point
 (more loss: pessimistic), and masses below 1e-200 are moved to +inf too (so no subnormal
 numbers slow the FFTs down).
 
@@ -52,6 +53,8 @@ clipped to zero.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from dataclasses import dataclass
 
@@ -211,6 +214,33 @@ def subsampled_gaussian_pld(q: float, z: float, direction: str, h: float,
     reverse = "add" if direction == "remove" else "remove"
     return connect_the_dots(lambda e: subsampled_gaussian_delta(e, q, z, direction),
                             lambda e: subsampled_gaussian_delta(e, q, z, reverse), lo, hi, h)
+
+
+_STEP_PLDS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("step_plds",
+                                                                        default=None)
+
+
+@contextlib.contextmanager
+def reusing_step_plds():
+    """Within this block, accountants share the discrete PLDs of their steps: a search that
+    prices one ledger plus k more steps for many k builds each step's PLD once."""
+    token = _STEP_PLDS.set({})
+    try:
+        yield
+    finally:
+        _STEP_PLDS.reset(token)
+
+
+def _step_pld(q: float, z: float, direction: str, h: float, tail_mass: float) -> DiscretePLD:
+    """:func:`subsampled_gaussian_pld`, kept for the enclosing :func:`reusing_step_plds`."""
+    kept = _STEP_PLDS.get()
+    if kept is None:
+        return subsampled_gaussian_pld(q, z, direction, h, tail_mass)
+    key = (q, z, direction, h, tail_mass)
+    if key not in kept:
+        kept[key] = subsampled_gaussian_pld(q, z, direction, h, tail_mass)
+        kept[key].masses.flags.writeable = False
+    return kept[key]
 
 
 # --------------------------------------------------------------------------- composition
@@ -441,14 +471,14 @@ class PLDAccountant:
             gaussian_z, rest = self._gaussian_and_rest()
             groups = rest + ([Group(1.0, gaussian_z, 1)] if math.isfinite(gaussian_z) else [])
             total = sum(g.count for g in groups)
-            per_step = self.tail_mass / max(total, 1)
+            per_step = 2.0 ** math.floor(math.log2(self.tail_mass / max(total, 1)))
             h = self.value_discretization
             while True:
                 try:
                     self._composed = {
                         direction: compose(
-                            [(subsampled_gaussian_pld(g.q, g.noise_multiplier, direction, h,
-                                                      per_step), g.count) for g in groups],
+                            [(_step_pld(g.q, g.noise_multiplier, direction, h, per_step),
+                              g.count) for g in groups],
                             self.tail_mass)
                         for direction in ("remove", "add")}
                     break
