@@ -20,13 +20,13 @@ replaced by a discrete pair on the loss grid {i h} by *connecting the dots* (Dor
 al. 2022): its profile, as a function of x = e^eps, is the piecewise linear interpolation of
 the exact profile at the grid points, joined to (x=0, delta=1) on the left and constant
 beyond the last point. Because the exact profile is convex in x, the interpolation lies above
-it everywhere, so the discrete pair dominates the exact one; the mass on grid point i is
-x_i times the jump in slope there, and the profile value at the last point is mass at +inf.
-The grid covers the losses of all but ``tail_mass / (number of steps)`` of P's mass (rounded
-down to a power of two, so that a step's grid stays the same while its ledger grows: a
-budget's search reuses it, :func:`reusing_step_plds`); the tail mass above is exactly the +inf mass, the mass below is moved up to the first point
-(more loss: pessimistic), and masses below 1e-200 are moved to +inf too (so no subnormal
-numbers slow the FFTs down).
+it everywhere, so the discrete pair dominates the exact one; the mass on grid point i is x_i
+times the jump in slope there, and the profile value at the last point is mass at +inf. The
+grid covers the losses of all but ``tail_mass / (number of steps)`` of P's mass (rounded down
+to a power of two, so that a step's grid stays the same while its ledger grows: a budget's
+search reuses it, :func:`reusing_step_plds`); the tail mass above is exactly the +inf mass,
+the mass below is moved up to the first point (more loss: pessimistic), and masses below
+1e-200 are moved to +inf too (so no subnormal numbers slow the FFTs down).
 
 **Composition.** The finite parts of the discrete PLDs are convolved by FFT on a window of N
 grid points, each step group's transform raised to its count (fast self-composition of
