@@ -30,9 +30,6 @@ def namespace(request):
     return load(), rtol
 
 
-pytest_plugins = ("pytester",)
-
-
 EXAMPLES = pathlib.Path(__file__).parents[1] / "examples"
 
 

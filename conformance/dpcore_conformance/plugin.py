@@ -1,5 +1,7 @@
-"""pytest plugin of the conformance suite: ``--dpcore-backend NAME``, the ``backend`` fixture,
-a report header naming the backend, and capability-based skips.
+"""pytest plugin of the conformance suite: ``--dpcore-backend NAME`` (repeat it to check
+several backends in one run: every check then runs once per backend, its id naming the
+backend), the ``backend`` fixture, a report header naming the backends, and capability-based
+skips.
 
 Checks that need a capability carry ``@pytest.mark.requires_capability("per_example_grads")``;
 they are skipped, with that reason, for backends that do not declare it.
@@ -17,8 +19,8 @@ import dpcore
 
 def pytest_addoption(parser):
     group = parser.getgroup("dpcore", "dpcore conformance")
-    group.addoption("--dpcore-backend", metavar="NAME",
-                    help="name of the registered dpcore backend to check")
+    group.addoption("--dpcore-backend", metavar="NAME", action="append",
+                    help="name of a registered dpcore backend to check (repeatable)")
 
 
 def pytest_configure(config):
@@ -26,29 +28,38 @@ def pytest_configure(config):
                             "declares capability `name`")
 
 
-def _backend_name(config) -> str:
-    name = config.getoption("dpcore_backend")
-    if not name:
+def _backend_names(config) -> list[str]:
+    names = config.getoption("dpcore_backend")
+    if not names:
         raise pytest.UsageError("the conformance suite needs --dpcore-backend NAME; available: "
                                 + ", ".join(dpcore.available_backends()))
-    return name
+    return list(dict.fromkeys(names))
 
 
 def pytest_report_header(config):
-    name = config.getoption("dpcore_backend")
-    if not name:
-        return None
-    try:
-        backend = dpcore.get_backend(name)
-    except LookupError as exc:
-        return f"dpcore backend: {name} (not available: {exc})"
-    return (f"dpcore backend: {backend.name} {backend.version}; capabilities: "
-            f"{', '.join(sorted(backend.capabilities)) or 'none'}")
+    lines = []
+    for name in dict.fromkeys(config.getoption("dpcore_backend") or ()):
+        try:
+            backend = dpcore.get_backend(name)
+        except LookupError as exc:
+            lines.append(f"dpcore backend: {name} (not available: {exc})")
+            continue
+        lines.append(f"dpcore backend: {backend.name} {backend.version}; capabilities: "
+                     f"{', '.join(sorted(backend.capabilities)) or 'none'}")
+    return lines or None
+
+
+def pytest_generate_tests(metafunc):
+    """Several backends: every check that uses one runs for each."""
+    names = metafunc.config.getoption("dpcore_backend") or ()
+    if len(set(names)) > 1 and "backend" in metafunc.fixturenames:
+        names = _backend_names(metafunc.config)
+        metafunc.parametrize("backend", names, indirect=True, scope="session", ids=names)
 
 
 @pytest.fixture(scope="session")
-def backend(pytestconfig):
-    name = _backend_name(pytestconfig)
+def backend(request):
+    name = getattr(request, "param", None) or _backend_names(request.config)[0]
     try:
         return dpcore.get_backend(name)
     except LookupError as exc:
@@ -59,7 +70,10 @@ def pytest_runtest_setup(item):
     needed = [m.args[0] for m in item.iter_markers("requires_capability")]
     if not needed:
         return
-    backend = dpcore.get_backend(_backend_name(item.config))
+    callspec = getattr(item, "callspec", None)
+    name = callspec.params["backend"] if callspec and "backend" in callspec.params else \
+        _backend_names(item.config)[0]
+    backend = dpcore.get_backend(name)
     for capability in needed:
         if capability not in backend.capabilities:
             pytest.skip(f"backend {backend.name!r} does not declare capability {capability!r}")
