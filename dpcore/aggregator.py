@@ -245,6 +245,13 @@ class PrivateAggregator:
         self._check_unreleased()
         self._mechanism.check_leaves(clipped_sums)
         self._refuse_traced(clipped_sums, factors)
+        xp = self.backend.namespace()
+        bad = [leaf for leaf in self._mechanism.leaves
+               if not bool(xp.all(xp.isfinite(clipped_sums[leaf])))]
+        if bad:
+            raise FloatingPointError(
+                f"the clipped sums of leaves {bad} hold NaN or Inf: a record escaped its clip "
+                f"(or the sum overflowed), and noise would not hide it; nothing was recorded")
         counts = self._count_sums(factors, mask)
         self.record_release()
         self.rng, released = aggregation.noisy_average(
@@ -266,13 +273,24 @@ class PrivateAggregator:
     def _check_unreleased(self) -> None:
         """A step must have begun; under a budget, it is released once: the budget priced
         the step as one release, and a second query of the same sample could overrun it."""
-        if not self.begun:
-            raise RuntimeError("no sample to release from: call sample() or begin_step() first")
+        self._check_own_sample()
         if self.budget is not None and self._last_release == self._step:
             raise RuntimeError(
                 f"step {self._step} was released already, and the privacy budget priced it as "
                 f"one release: release every quantity of a step at once (extra groups of the "
                 f"mechanism, e.g. for metrics), or begin a new step (sample() or begin_step())")
+
+    def _check_own_sample(self) -> None:
+        """A release is priced under the ledger's last sampling event: it must be this
+        aggregator's, the one its step began with."""
+        if not self.begun:
+            raise RuntimeError("no sample to release from: call sample() or begin_step() first")
+        if self.ledger.samplings != self._step + 1:
+            raise RuntimeError(
+                f"this aggregator's step {self._step} began with the ledger's sampling event "
+                f"{self._step + 1}, and the ledger now holds {self.ledger.samplings}: another "
+                f"aggregator began a step on the same ledger since, under whose sampling (q) "
+                f"this release would be priced. Give each aggregator a ledger of its own")
 
     @property
     def step(self) -> int:
@@ -366,6 +384,10 @@ class PrivateAggregator:
                              "counts of adaptive clipping: release with observe=False, add "
                              "the counts up with those of the process that draws the noise, "
                              "and move the clips from the sum (observe_counts)")
+        if not draws.finite():
+            raise FloatingPointError(
+                "the sums added into the noise draws hold NaN or Inf: a record escaped its "
+                "clip (or a sum overflowed), and noise would not hide it; nothing was recorded")
         self.record_release()
         released = draws.finish(self.expected_size)
         if not counts:
@@ -454,8 +476,7 @@ class PrivateAggregator:
         among the declared ``extra`` (under a budget)."""
         if not isinstance(mechanism, Mechanism):
             raise TypeError(f"mechanism must be a dpcore Mechanism, got {mechanism!r}")
-        if not self.begun:
-            raise RuntimeError("no sample to release from: call sample() or begin_step() first")
+        self._check_own_sample()
         if self.budget is not None:
             declared = next((k for k, m in enumerate(self.extra) if m == mechanism), None)
             if declared is None:

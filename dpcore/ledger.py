@@ -373,13 +373,13 @@ def _parse(path: Path, *, allow_torn_tail: bool) -> tuple[Header, list[Event], i
             json.loads(tail)
             complete.append(tail)  # the crash tore off only the newline
             tail = b""
-        except ValueError:
+        except (ValueError, RecursionError):  # nested too deep to be an event: not one
             pass
     header, events, sampling_seen = None, [], False
     for number, raw in enumerate(complete, start=1):
         try:
             obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
-        except (UnicodeDecodeError, ValueError) as exc:
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise LedgerError(f"{path}, line {number}: not valid JSON ({exc})") from None
         try:
             if number == 1:

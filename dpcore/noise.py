@@ -112,6 +112,11 @@ class NoiseDraws(Mapping):
             shape = self._like[j].shape
             self._buffers[j] = piece if len(shape) == 1 else xp.reshape(piece, tuple(shape))
 
+    def finite(self) -> bool:
+        """Whether every draw (with the sums added into it) is finite."""
+        xp = self.aggregator.backend.namespace()
+        return all(bool(xp.all(xp.isfinite(base))) for base in self._bases)
+
     def finish(self, divisor: float) -> dict:
         """Draw the leaves not yet drawn, divide every draw by ``divisor`` in place and return
         ``{leaf: array}``; the draws cannot be handed out again."""

@@ -300,3 +300,47 @@ def test_a_budget_prices_the_declared_extra_mechanisms_with_each_step():
     with pytest.raises(RuntimeError, match="released this extra mechanism already"):
         fresh.release(rows, mechanism=METRIC)
     assert len(fresh.ledger.events) == 2
+
+
+def test_an_aggregator_refuses_to_release_under_another_ones_sampling(tmp_path):
+    # two aggregators on one Ledger object, steps interleaved: A's release would sit under
+    # B's sampling event (q = 0.01) and A's own (q = 0.5) would be priced as free
+    from dpcore import Ledger
+
+    ledger = Ledger(tmp_path / "run.jsonl")
+    mech_a = Mechanism((Group("a", ("x",), clip=1.0, noise_std=1.0),))
+    mech_b = Mechanism((Group("b", ("y",), clip=1.0, noise_std=1.0),))
+    extra = Mechanism((Group("metric", ("m",), clip=1.0, noise_std=1.0),))
+    a = PrivateAggregator(mech_a, n=100, q=0.5, ledger=ledger, seed=0)
+    b = PrivateAggregator(mech_b, n=100, q=0.01, ledger=ledger, seed=1)
+    a.begin_step()
+    b.begin_step()
+    before = list(ledger.events)
+    with pytest.raises(RuntimeError, match="another aggregator began a step on the same ledger"):
+        a.release({"x": np.ones((50, 3))})
+    with pytest.raises(RuntimeError, match="another aggregator began a step on the same ledger"):
+        a.release({"m": np.ones((50, 1))}, mechanism=extra)
+    draws = a.noise_draws({"x": np.zeros(3)})
+    with pytest.raises(RuntimeError, match="another aggregator began a step on the same ledger"):
+        a.release_noisy_sums(draws)
+    with pytest.raises(RuntimeError, match="Give each aggregator a ledger of its own"):
+        b.release({"y": np.ones((1, 3))})  # B counted its step as the ledger's first
+    assert list(ledger.events) == before
+    ledger.close()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nonfinite_sums_are_refused_before_anything_is_recorded(tmp_path, bad):
+    mechanism = Mechanism((Group("g", ("x",), clip=1.0, noise_std=1.0),))
+    agg = PrivateAggregator(mechanism, n=100, q=0.1, ledger=tmp_path / "run.jsonl", seed=0)
+    agg.begin_step()
+    events = list(agg.ledger.events)
+    with pytest.raises(FloatingPointError, match=r"leaves \['x'\] hold NaN or Inf"):
+        agg.release_sums({"x": np.array([bad, 1.0])})
+    draws = agg.noise_draws({"x": np.zeros(2)})
+    draws["x"] += np.array([1.0, bad])
+    with pytest.raises(FloatingPointError, match="noise draws hold NaN or Inf"):
+        agg.release_noisy_sums(draws)
+    assert list(agg.ledger.events) == events
+    assert np.all(np.isfinite(agg.release_sums({"x": np.array([0.5, 1.0])})["x"]))
+    agg.ledger.close()

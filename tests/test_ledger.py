@@ -224,3 +224,16 @@ def test_an_incomplete_header_or_a_repeated_key_is_refused(tmp_path, lines, mess
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(LedgerError, match=message):
         read_ledger(path)
+
+
+def test_a_line_nested_too_deep_for_the_json_parser_is_a_ledger_error(tmp_path):
+    header = ('{"format":"dpcore-ledger","version":1,"neighbouring":"add_or_remove_one_record",'
+              '"record":"example"}\n')
+    sampling = '{"event":"sampling","q":0.5,"n":10}\n'
+    middle, tail = tmp_path / "middle.jsonl", tmp_path / "tail.jsonl"
+    middle.write_text(header + sampling + "[" * 100_000 + "]" * 100_000 + "\n" + sampling)
+    tail.write_text(header + sampling + "[" * 100_000)
+    with pytest.raises(LedgerError, match=r"middle.jsonl, line 3: not valid JSON"):
+        read_ledger(middle)
+    with pytest.raises(LedgerError, match=r"tail.jsonl, line 3: torn last line"):
+        Ledger(tail)
