@@ -64,6 +64,7 @@ def gradient_noise_multiplier(total: float, count_noise_std: float, groups: int 
     """z_delta such that the gradient groups and ``groups`` counts together have multiplier
     ``total``: 1/z_delta^2 = 1/total^2 - groups/(2 sigma_b)^2."""
     sigma_b = check.non_negative("count_noise_std", count_noise_std)
+    groups = check.count("groups", groups)
     return noise_multiplier_left(
         total, [2 * sigma_b] * groups, f"{groups} count(s) at sigma_b={sigma_b!r}",
         f"sigma_b must exceed sqrt({groups}) z / 2 = {math.sqrt(groups) * total / 2!r}")

@@ -32,6 +32,8 @@ class PrivacyBudget:
     def __init__(self, target_epsilon: float, delta: float, *, accountant: str = "pld"):
         self.target_epsilon = check.non_negative("target_epsilon", target_epsilon)
         self.delta = check.delta("delta", delta)
+        if accountant not in ("pld", "rdp"):  # dpcore.accounting's, not imported here: slow
+            raise ValueError(f"accountant must be 'pld' or 'rdp', got {accountant!r}")
         self.accountant = accountant
         self._credit: list | None = None  # [q, z, steps that fit, steps spent, rounded]
         self._seen: set | None = None  # the ledger's distinct (q, z)

@@ -183,3 +183,8 @@ def test_counts_without_noise_do_not_move_the_clips():
         agg.release_noisy_sums(draws, factors=factors)
     assert not any(isinstance(e, SumQueryEvent) for e in agg.ledger.events)
     assert agg.mechanism.groups[0].clip == 0.1
+
+
+def test_a_negative_number_of_count_groups_is_refused():
+    with pytest.raises(ValueError, match="groups must be an integer >= 0, got -1"):
+        gradient_noise_multiplier(1.0, 5.0, groups=-1)

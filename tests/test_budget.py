@@ -75,3 +75,8 @@ def test_a_budget_over_many_distinct_noise_multipliers_ends_within_its_target():
     final = guarantee(agg.ledger, 1e-5, accountant="rdp")
     assert final.rounded and len(agg.ledger.steps()) > 256
     assert 1.99 < final.epsilon <= 2.0
+
+
+def test_an_unknown_accountant_is_refused_when_the_budget_is_made():
+    with pytest.raises(ValueError, match="accountant must be 'pld' or 'rdp', got 'prv'"):
+        PrivacyBudget(1.0, 1e-5, accountant="prv")
