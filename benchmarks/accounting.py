@@ -1,7 +1,7 @@
 """Accounting benchmark: dpcore's PLD and RDP accountants against dp-accounting and
 prv-accountant, timed side by side in one process.
 
-    python benchmarks/accounting.py            # both workloads, every accountant
+    python benchmarks/accounting.py            # every workload, every accountant
     python benchmarks/accounting.py --quick    # skip the slowest oracle runs
 
 (a) the MNIST example: q = 256/60000, z = 1.1, 14063 steps, delta = 1e-5.
@@ -12,6 +12,10 @@ prv-accountant, timed side by side in one process.
     brackets the rounding error. The oracles cannot take 100,000 distinct steps in
     reasonable time, so they are given the same ledger rounded down at resolution 1e-2
     (about 70 groups), and dpcore is timed on that input too.
+(c) a budget's question after a clip schedule: how many more steps at q = 0.045, z = 1.6 fit
+    in epsilon = 4 (delta = 1e-5) after 70 steps of distinct z from 1.0 to 1.6 (the
+    "epsilon" column holds the count): ``remaining_steps`` against the plain search it
+    replaced (doubling from 1, then bisecting, every probe priced from scratch).
 
 Each accountant runs ``--repeats`` times (fresh each time), in interleaved rounds so that
 changes in machine load hit all alike; the table shows the best run as wall time and as CPU
@@ -29,7 +33,9 @@ import warnings
 
 import numpy as np
 
-from dpcore.accounting import PLDAccountant, RDPAccountant
+from dpcore.accounting import PLDAccountant, RDPAccountant, remaining_steps
+from dpcore.accounting.guarantee import MAX_STEPS, _largest_true
+from dpcore.accounting.rdp import _step_rdp
 from dpcore.accounting.steps import _round_down
 from dpcore.ledger import Ledger, SumQueryEvent
 
@@ -90,6 +96,12 @@ def grouped(steps, resolution, direction="down"):
     return [(k.real, k.imag, int(n)) for k, n in zip(keys, counts)]
 
 
+def rdp(source, **options):
+    """dpcore's RDP epsilon, its per-step values computed afresh (they are kept per process)."""
+    _step_rdp.cache_clear()
+    return RDPAccountant(source, **options).epsilon(DELTA)
+
+
 def run_rows(table, workload, rows, repeats):
     """Time ``rows`` [(name, fn, repeats or None)] interleaved: each round runs every row
     once, so changes in machine load hit all of them alike."""
@@ -133,7 +145,7 @@ def main() -> None:
     dp_accounting_pld(mnist)
     run_rows(table, "a", [
         ("dpcore PLD (h = 1e-4)", lambda: PLDAccountant(mnist).epsilon(DELTA), None),
-        ("dpcore RDP", lambda: RDPAccountant(mnist).epsilon(DELTA), None),
+        ("dpcore RDP", lambda: rdp(mnist), None),
         ("dp-accounting PLD (1e-4)", lambda: dp_accounting_pld(mnist), None),
         ("dp-accounting RDP", lambda: dp_accounting_rdp(mnist), None),
         ("prv-accountant (upper bound, Opacus settings)", lambda: prv(mnist), 3),
@@ -153,17 +165,35 @@ def main() -> None:
         ("dpcore PLD from the ledger (z rounded down, 1e-3)",
          lambda: PLDAccountant(ledger).epsilon(DELTA), None),
         ("dpcore RDP from the ledger (z rounded down, 1e-3)",
-         lambda: RDPAccountant(ledger).epsilon(DELTA), None),
+         lambda: rdp(ledger), None),
         (f"dpcore PLD, z rounded UP (lower bracket, {len(up)} groups)",
          lambda: PLDAccountant(up, noise_resolution=None).epsilon(DELTA), 1),
         (f"dpcore PLD on {len(coarse)} groups (1e-2)",
          lambda: PLDAccountant(coarse, noise_resolution=None).epsilon(DELTA), None),
         (f"dpcore RDP on {len(coarse)} groups (1e-2)",
-         lambda: RDPAccountant(coarse, noise_resolution=None).epsilon(DELTA), None),
+         lambda: rdp(coarse, noise_resolution=None), None),
         (f"dp-accounting RDP on {len(coarse)} groups", lambda: dp_accounting_rdp(coarse), 1),
         (f"dp-accounting PLD (1e-4) on {len(coarse)} groups",
          lambda: dp_accounting_pld(coarse), slow),
         (f"prv-accountant on {len(coarse)} groups", lambda: prv(coarse), slow),
+    ], args.repeats)
+
+    print("(c) remaining steps at q = 0.045, z = 1.6 within epsilon 4 after 70 distinct z",
+          flush=True)
+    past = [(0.045, float(z), 1) for z in np.linspace(1.0, 1.6, 70)]
+
+    def plain_search():
+        return _largest_true(lambda k: k == 0 or PLDAccountant(past + [(0.045, 1.6, k)])
+                             .epsilon(DELTA) <= 4.0, MAX_STEPS)
+
+    def remaining(accountant):
+        _step_rdp.cache_clear()
+        return remaining_steps(past, 0.045, 1.6, 4.0, DELTA, accountant=accountant)
+
+    run_rows(table, "c", [
+        ("dpcore PLD remaining_steps", lambda: remaining("pld"), 1),
+        ("dpcore RDP remaining_steps", lambda: remaining("rdp"), 1),
+        ("plain search, PLD priced from scratch at every probe", plain_search, slow),
     ], args.repeats)
 
     print(f"\nload average at the end: {os.getloadavg()}  (2 cores; wall times grow with load, "

@@ -33,6 +33,12 @@ class NonFiniteNormError(FloatingPointError):
     """A record's norm is NaN or infinite: its gradient holds NaN/Inf or overflowed."""
 
 
+def all_finite(x, xp) -> bool:
+    """Whether ``x`` holds no NaN or Inf (as |x| < inf: TensorFlow's NumPy API has no
+    bfloat16 isfinite)."""
+    return bool(xp.all(xp.abs(x) < math.inf))
+
+
 def _flat(x, xp, batch: int):
     return xp.reshape(x, (batch, math.prod(x.shape[1:])))
 

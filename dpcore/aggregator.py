@@ -247,7 +247,7 @@ class PrivateAggregator:
         self._refuse_traced(clipped_sums, factors)
         xp = self.backend.namespace()
         bad = [leaf for leaf in self._mechanism.leaves
-               if not bool(xp.all(xp.isfinite(clipped_sums[leaf])))]
+               if not aggregation.all_finite(clipped_sums[leaf], xp)]
         if bad:
             raise FloatingPointError(
                 f"the clipped sums of leaves {bad} hold NaN or Inf: a record escaped its clip "

@@ -53,6 +53,7 @@ class PrivacyBudget:
         """Whether one more step at (q, z) keeps ``ledger`` within the budget."""
         from .accounting.rdp import DEFAULT_MAX_GROUPS
 
+        q, noise_multiplier = _checked(q, noise_multiplier)
         if self._seen is None:  # a resumed ledger's steps count too
             self._seen = {(s.q, s.noise_multiplier) for s in ledger.steps()}
         new = (q, noise_multiplier) not in self._seen
@@ -66,6 +67,7 @@ class PrivacyBudget:
 
     def spend(self, q: float, noise_multiplier: float) -> None:
         """Account for a step just taken at (q, z)."""
+        q, noise_multiplier = _checked(q, noise_multiplier)
         if self._seen is not None:
             self._seen.add((q, noise_multiplier))
         if self._covers(q, noise_multiplier):
@@ -75,3 +77,8 @@ class PrivacyBudget:
 
     def _covers(self, q: float, z: float) -> bool:
         return self._credit is not None and q <= self._credit[0] and z >= self._credit[1]
+
+
+def _checked(q, noise_multiplier) -> tuple[float, float]:
+    return (check.probability("q (sampling rate)", q, allow_zero=True),
+            check.non_negative("noise_multiplier", noise_multiplier, allow_inf=True))

@@ -29,7 +29,7 @@ from typing import Iterator, Mapping
 
 from array_api_compat import device, is_writeable_array
 
-from .aggregation import leaf_noise_stds, pieces
+from .aggregation import all_finite, leaf_noise_stds, pieces
 from .queries import Mechanism
 
 SHARED_DRAW = 2 ** 17  # leaves below this many values share draws ...
@@ -115,7 +115,7 @@ class NoiseDraws(Mapping):
     def finite(self) -> bool:
         """Whether every draw (with the sums added into it) is finite."""
         xp = self.aggregator.backend.namespace()
-        return all(bool(xp.all(xp.isfinite(base))) for base in self._bases)
+        return all(all_finite(base, xp) for base in self._bases)
 
     def finish(self, divisor: float) -> dict:
         """Draw the leaves not yet drawn, divide every draw by ``divisor`` in place and return

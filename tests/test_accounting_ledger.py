@@ -5,8 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from dpcore.accounting import (Guarantee, delta_for_epsilon, epsilon, guarantee,
-                               make_accountant, remaining_steps)
+from dpcore.accounting import (Guarantee, PLDAccountant, calibrate_noise_multiplier,
+                               calibrate_sampling_rate, delta_for_epsilon, epsilon,
+                               epsilon_from_rdp, guarantee, make_accountant, remaining_steps)
 from dpcore.accounting.guarantee import _largest_true
 from dpcore.accounting.rdp import RDPAccountant, _step_rdp, rdp_subsampled_gaussian
 from dpcore.ledger import Ledger, LedgerError, Step, SumQueryEvent, read_ledger
@@ -156,3 +157,36 @@ def test_rdp_of_a_step_is_kept_read_only():
     acc = RDPAccountant([(0.01, 1.0, 10)], orders=[2.0, 3.5])
     acc.rdp[0] = 1e9  # a copy
     np.testing.assert_array_equal(acc.rdp, 10 * rdp_subsampled_gaussian(0.01, 1.0, [2.0, 3.5]))
+
+
+def test_tiny_q_with_small_z_keeps_the_fine_grid():
+    # a narrow composed bulk with a heavy tail: Chernoff t on the bulk's scale alone bounded
+    # the window so loosely that the grid was coarsened to h = 26 and 26.2 was reported;
+    # dp_accounting's pessimistic PLD at h = 1e-4 gives 0.000297 (RDP 3.29)
+    assert 0.000296 < epsilon([(1e-10, 0.3, 10**6)], 1e-6) < 0.000300
+    assert 0.1267 < epsilon([(1e-6, 0.4, 10**4)], 1e-6) < 0.1269  # dp_accounting 0.126782
+
+
+def test_delta_below_the_pld_resolution_comes_from_rdp_as_epsilon_does():
+    source = [(0.01, 1.0, 1000)]
+    for delta in (1e-14, 1e-16, 1e-20):  # PLD resolves 1e-14; below it epsilon() uses RDP
+        assert delta_for_epsilon(source, epsilon(source, delta)) <= delta * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda: epsilon([Step(0.01, 1.0, 2**60)], 1e-5, accountant="rdp"), ValueError,
+     r"steps must be at most 2\^53"),
+    (lambda: epsilon([Step(0.01, 1.0, 2**64)], 1e-5), ValueError, r"steps must be at most 2\^53"),
+    (lambda: remaining_steps([], 0.01, 1.0, 1.0, 1e-5, max_steps=2**60), ValueError,
+     r"max_steps must be at most 2\^53"),
+    (lambda: PLDAccountant([(0.01, 1.0, 10)], tail_mass=1.0), ValueError,
+     r"tail_mass must be in \(0, 1\)"),
+    (lambda: calibrate_noise_multiplier(1.0, 1e-5, 0.01, 100, rtol=math.nan), ValueError,
+     "rtol must be a number"),
+    (lambda: calibrate_sampling_rate(1.0, 1e-5, 1.0, 100, rtol=0.0), ValueError,
+     r"rtol must be in \(0, 1\)"),
+    (lambda: epsilon_from_rdp([2.0, 3.0], [1.0], 1e-5), ValueError, "1 RDP values for 2 orders"),
+])
+def test_accounting_refuses_bad_arguments_with_a_message(call, error, message):
+    with pytest.raises(error, match=message):
+        call()

@@ -6,7 +6,7 @@ import pytest
 from dpcore import PrivateAggregator, flat
 from dpcore.accounting import epsilon
 from dpcore.budget import BudgetExhaustedError, PrivacyBudget
-from dpcore.ledger import Step
+from dpcore.ledger import Ledger, Step
 from dpcore.schedules import ClipSchedule, decreasing
 
 DELTA, TARGET = 1e-5, 2.0
@@ -80,3 +80,15 @@ def test_a_budget_over_many_distinct_noise_multipliers_ends_within_its_target():
 def test_an_unknown_accountant_is_refused_when_the_budget_is_made():
     with pytest.raises(ValueError, match="accountant must be 'pld' or 'rdp', got 'prv'"):
         PrivacyBudget(1.0, 1e-5, accountant="prv")
+
+
+@pytest.mark.parametrize("q,z,message", [(-0.5, 1.5, "q"),
+                                         (0.05, float("nan"), "noise_multiplier")])
+def test_a_budget_refuses_a_bad_step_even_within_its_credit(q, z, message):
+    budget = PrivacyBudget(2.0, 1e-5)
+    ledger = Ledger()
+    assert budget.allows(ledger, 0.05, 1.5)  # a credit at (0.05, 1.5)
+    with pytest.raises(ValueError, match=message):
+        budget.allows(ledger, q, z)
+    with pytest.raises(ValueError, match=message):
+        budget.spend(q, z)

@@ -17,6 +17,7 @@ from scipy import optimize
 from .. import _validation as check
 from .guarantee import MAX_STEPS, _largest_true, make_accountant
 from .pld import MIN_NOISE_MULTIPLIER
+from .steps import check_count
 
 
 def _epsilon(q: float, z: float, steps: int, delta: float, accountant: str, options) -> float:
@@ -53,6 +54,7 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, q: float, st
     target_epsilon, delta = _target(target_epsilon, delta)
     q = check.probability("q (sampling rate)", q)
     steps = check.count("steps", steps, minimum=1)
+    rtol = check.delta("rtol", rtol)
 
     def excess(z: float) -> float:
         return _epsilon(q, z, steps, delta, accountant, options) - target_epsilon
@@ -85,6 +87,7 @@ def calibrate_sampling_rate(target_epsilon: float, delta: float, noise_multiplie
     target_epsilon, delta = _target(target_epsilon, delta)
     z = check.positive("noise_multiplier", noise_multiplier)
     steps = check.count("steps", steps, minimum=1)
+    rtol = check.delta("rtol", rtol)
 
     def excess(q: float) -> float:
         return _epsilon(q, z, steps, delta, accountant, options) - target_epsilon
@@ -107,7 +110,7 @@ def calibrate_steps(target_epsilon: float, delta: float, q: float, noise_multipl
     target_epsilon, delta = _target(target_epsilon, delta)
     q = check.probability("q (sampling rate)", q)
     z = check.positive("noise_multiplier", noise_multiplier)
-    max_steps = check.count("max_steps", max_steps, minimum=1)
+    max_steps = check_count("max_steps", max_steps, minimum=1)
     return _largest_true(
         lambda t: t == 0 or _epsilon(q, z, t, delta, accountant, options) <= target_epsilon,
         max_steps)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from .. import _validation as check
 from .pld import PLDAccountant, reusing_step_plds
 from .rdp import RDPAccountant
-from .steps import Source, as_steps
+from .steps import Source, as_steps, check_count
 
 ACCOUNTANTS = {"pld": PLDAccountant, "rdp": RDPAccountant}
 MAX_STEPS = 10**9
@@ -91,7 +91,7 @@ def remaining_steps(source: Source, q: float, noise_multiplier: float, target_ep
     delta = check.delta("delta", delta)
     q = check.probability("q (sampling rate)", q, allow_zero=True)
     z = check.non_negative("noise_multiplier", noise_multiplier, allow_inf=True)
-    max_steps = check.count("max_steps", max_steps)
+    max_steps = check_count("max_steps", max_steps)
     past = as_steps(source)
 
     def fits(k: int, kind: str = accountant, kind_options: dict = options) -> bool:

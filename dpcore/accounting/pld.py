@@ -357,7 +357,12 @@ def compose(plds: list[tuple[DiscretePLD, int]], tail_mass: float) -> ComposedPL
         mean = float(np.dot(p.masses, p.losses)) / total
         var += c * float(np.dot(p.masses, (p.losses - mean) ** 2)) / total
     sd = max(math.sqrt(var), h)
-    t = math.sqrt(2 * math.log(1 / tail_mass)) / sd * np.geomspace(3e-3, 3.0, 12)
+    # t on the composed loss's scale, and on an absolute one: tiny q with small z composes
+    # to a narrow bulk with a heavy tail, whose bounds only small t keep finite (with the
+    # first scale alone, q = 1e-10, z = 0.3 coarsened the grid to h = 26 and priced
+    # 26.2 for 0.0003)
+    scale = math.sqrt(2 * math.log(1 / tail_mass)) / sd
+    t = np.concatenate([scale * np.geomspace(3e-3, 3.0, 12), np.geomspace(1e-2, 1e2, 9)])
     k = _composed_log_mgf(plds, np.concatenate([t, -t]))
     k_up, k_down = k[:t.size], k[t.size:]
     log_tail = math.log(tail_mass)
@@ -437,7 +442,7 @@ class PLDAccountant:
                  noise_resolution: float | None = DEFAULT_NOISE_RESOLUTION,
                  max_groups: int = DEFAULT_MAX_GROUPS):
         self.value_discretization = check.positive("value_discretization", value_discretization)
-        self.tail_mass = check.probability("tail_mass", tail_mass)
+        self.tail_mass = check.delta("tail_mass", tail_mass)
         self.noise_resolution = noise_resolution
         self.max_groups = max_groups
         self._groups: dict[tuple[float, float], int] = {}
@@ -455,7 +460,8 @@ class PLDAccountant:
         self.infinite = self.infinite or composition.infinite
         self.rounded = self.rounded or composition.rounded
         for g in composition.groups:
-            self._groups[(g.q, g.noise_multiplier)] = self._groups.get((g.q, g.noise_multiplier), 0) + g.count
+            key = (g.q, g.noise_multiplier)
+            self._groups[key] = self._groups.get(key, 0) + g.count
         self._composed = None
         return self
 
@@ -542,7 +548,10 @@ class PLDAccountant:
             return 0.0
         if trivial == "gaussian":
             return float(gaussian_delta(epsilon, self._gaussian_and_rest()[0]))
-        return max(pld.delta(epsilon) for pld in self._compose_all().values())
+        # below the discretisation's resolution (about tail_mass) RDP's bound is the tighter,
+        # as in epsilon_and_accountant: both are upper bounds
+        return min(max(pld.delta(epsilon) for pld in self._compose_all().values()),
+                   self.rdp().delta(epsilon))
 
 
 def gaussian_epsilon(z: float, delta: float) -> float:

@@ -181,6 +181,13 @@ def _check_orders(orders) -> np.ndarray:
     return orders
 
 
+def _check_rdp(orders, rdp) -> tuple[np.ndarray, np.ndarray]:
+    orders, rdp = _check_orders(orders), np.asarray(rdp, dtype=float)
+    if rdp.shape != orders.shape:
+        raise ValueError(f"{rdp.size} RDP values for {orders.size} orders: give one per order")
+    return orders, rdp
+
+
 def epsilon_from_rdp(orders, rdp, delta: float) -> tuple[float, float]:
     """(epsilon, optimal order) for total RDP ``rdp`` at ``orders`` and a target ``delta``.
 
@@ -188,7 +195,7 @@ def epsilon_from_rdp(orders, rdp, delta: float) -> tuple[float, float]:
     for an order with delta^2 > 1 - e^{-r}. Infinite RDP gives an infinite epsilon there.
     """
     delta = check.delta("delta", delta)
-    orders, rdp = _check_orders(orders), np.asarray(rdp, dtype=float)
+    orders, rdp = _check_rdp(orders, rdp)
     with np.errstate(over="ignore", invalid="ignore"):
         eps = rdp + np.log1p(-1 / orders) - (math.log(delta) + np.log(orders)) / (orders - 1)
         eps = np.where(delta * delta > -np.expm1(-rdp), 0.0, eps)
@@ -201,7 +208,7 @@ def delta_from_rdp(orders, rdp, epsilon: float) -> tuple[float, float]:
     """(delta, optimal order) for total RDP ``rdp`` at ``orders`` and a target ``epsilon``:
     the smallest of e^{(alpha-1)(r - epsilon + log(1 - 1/alpha))} / alpha and sqrt(1 - e^{-r})."""
     epsilon = check.non_negative("epsilon", epsilon)
-    orders, rdp = _check_orders(orders), np.asarray(rdp, dtype=float)
+    orders, rdp = _check_rdp(orders, rdp)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         log_delta = (orders - 1) * (rdp - epsilon + np.log1p(-1 / orders)) - np.log(orders)
         log_kl = 0.5 * np.log(-np.expm1(-rdp))

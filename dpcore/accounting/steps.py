@@ -69,11 +69,16 @@ def check_step(q, noise_multiplier, count=1) -> Step:
     """Validate one step: q in [0, 1], z >= 0 (``inf`` allowed), count a non-negative int."""
     q = check.probability("q (sampling rate)", q, allow_zero=True)
     z = check.non_negative("noise_multiplier", noise_multiplier, allow_inf=True)
-    count = check.count("steps", count)
-    if count > MAX_COUNT:
-        raise ValueError(f"steps must be at most 2^53 = {MAX_COUNT} (the counts float64 holds "
-                         f"exactly), got {count}")
-    return Step(q, z, count)
+    return Step(q, z, check_count("steps", count))
+
+
+def check_count(name: str, value, *, minimum: int = 0) -> int:
+    """A count of steps: an integer in [``minimum``, 2^53] (float64 holds it exactly)."""
+    value = check.count(name, value, minimum=minimum)
+    if value > MAX_COUNT:
+        raise ValueError(f"{name} must be at most 2^53 = {MAX_COUNT} (the counts float64 holds "
+                         f"exactly), got {value}")
+    return value
 
 
 def as_steps(source: Source) -> list[Step]:
@@ -114,15 +119,20 @@ def _check_all(steps: list[Step]) -> None:
     try:
         q = np.array([s.q for s in steps], dtype=float)
         z = np.array([s.noise_multiplier for s in steps], dtype=float)
-        c = np.array([s.count for s in steps])
-        fine = ((q >= 0) & (q <= 1) & (z >= 0) & (c >= 0)
-                & np.array([isinstance(s.count, numbers.Integral) and not isinstance(s.count, bool)
-                            and _real(s.q) and _real(s.noise_multiplier) for s in steps]))
+        fine = ((q >= 0) & (q <= 1) & (z >= 0)
+                & np.array([_count(s.count) and _real(s.q) and _real(s.noise_multiplier)
+                            for s in steps]))
     except (TypeError, ValueError):
         fine = np.zeros(len(steps), dtype=bool)
     for i in np.flatnonzero(~fine):
         step = steps[int(i)]
         check_step(step.q, step.noise_multiplier, step.count)  # raises, naming the field
+
+
+def _count(value) -> bool:
+    """An int (not a bool) in [0, MAX_COUNT]."""
+    return (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            and 0 <= value <= MAX_COUNT)
 
 
 def _real(value) -> bool:
