@@ -52,8 +52,10 @@ class PrivacyBudget:
     def allows(self, ledger: Ledger, q: float, noise_multiplier: float) -> bool:
         """Whether one more step at (q, z) keeps ``ledger`` within the budget."""
         from .accounting.rdp import DEFAULT_MAX_GROUPS
+        from .accounting.steps import check_step
 
-        q, noise_multiplier = _checked(q, noise_multiplier)
+        step = check_step(q, noise_multiplier)
+        q, noise_multiplier = step.q, step.noise_multiplier
         if self._seen is None:  # a resumed ledger's steps count too
             self._seen = {(s.q, s.noise_multiplier) for s in ledger.steps()}
         new = (q, noise_multiplier) not in self._seen
@@ -67,7 +69,10 @@ class PrivacyBudget:
 
     def spend(self, q: float, noise_multiplier: float) -> None:
         """Account for a step just taken at (q, z)."""
-        q, noise_multiplier = _checked(q, noise_multiplier)
+        from .accounting.steps import check_step
+
+        step = check_step(q, noise_multiplier)
+        q, noise_multiplier = step.q, step.noise_multiplier
         if self._seen is not None:
             self._seen.add((q, noise_multiplier))
         if self._covers(q, noise_multiplier):
@@ -77,8 +82,3 @@ class PrivacyBudget:
 
     def _covers(self, q: float, z: float) -> bool:
         return self._credit is not None and q <= self._credit[0] and z >= self._credit[1]
-
-
-def _checked(q, noise_multiplier) -> tuple[float, float]:
-    return (check.probability("q (sampling rate)", q, allow_zero=True),
-            check.non_negative("noise_multiplier", noise_multiplier, allow_inf=True))
