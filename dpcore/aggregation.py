@@ -39,6 +39,24 @@ def all_finite(x, xp) -> bool:
     return bool(xp.all(xp.abs(x) < math.inf))
 
 
+def check_mask(mask, rows: int, xp) -> None:
+    """A padded batch's ``mask``: shape (rows,), booleans or 0/1 (a NaN or 0.5 would be read
+    as True and count a padded row as a record)."""
+    if not hasattr(mask, "shape") or not hasattr(mask, "dtype"):
+        raise TypeError(f"mask must be an array of the backend's namespace, got "
+                        f"{type(mask).__name__}")
+    if tuple(mask.shape) != (rows,):
+        raise ValueError(f"mask must have shape ({rows},), one entry per row, got "
+                         f"{tuple(mask.shape)}")
+    if mask.dtype == xp.bool:
+        return
+    valid = (mask == 0) | (mask == 1)
+    if not bool(xp.all(valid)):
+        bad = [float(mask[i]) for i in range(rows) if not bool(valid[i])]
+        raise ValueError(f"mask must hold booleans or 0/1 (1 marks a real row), got "
+                         f"{bad[:5]}{' ...' if len(bad) > 5 else ''}")
+
+
 def _flat(x, xp, batch: int):
     return xp.reshape(x, (batch, math.prod(x.shape[1:])))
 
@@ -46,10 +64,14 @@ def _flat(x, xp, batch: int):
 def as_floating(per_record: Mapping[str, object]) -> Mapping[str, object]:
     """``per_record`` with its bool and integer leaves in the namespace's default real floating
     dtype: squared in their own dtype they overflow (an int8 100 squares to 16), weighted by
-    clip factors they turn the factors into 0 or 1, and bools add up as a logical or."""
+    clip factors they turn the factors into 0 or 1, and bools add up as a logical or. Complex
+    leaves are refused (the cast would drop their imaginary parts)."""
     converted = {}
     for leaf, a in per_record.items():
         xp = array_namespace(a)
+        if xp.isdtype(a.dtype, "complex floating"):
+            raise TypeError(f"leaf {leaf!r} is complex ({a.dtype}): records are real vectors; "
+                            f"pass its real and imaginary parts as real leaves")
         if not xp.isdtype(a.dtype, "real floating"):
             where = device(a)
             wanted = xp.__array_namespace_info__().default_dtypes(device=where)["real floating"]

@@ -97,8 +97,8 @@ class PrivateAggregator:
         given = isinstance(ledger, Ledger)
         if given and (ledger.header.record, ledger.header.microbatch_size) != (
                 mechanism.record, mechanism.microbatch_size):
-            raise ValueError(f"ledger is for record={ledger.header.record!r}, the mechanism "
-                             f"for record={mechanism.record!r}")
+            raise ValueError(f"ledger is for {_unit(ledger.header)}, the mechanism for "
+                             f"{_unit(mechanism)}")
         self.ledger = ledger if given else Ledger(ledger, record=mechanism.record,
                                                   microbatch_size=mechanism.microbatch_size)
         try:
@@ -232,6 +232,8 @@ class PrivateAggregator:
     def _clip_factors(self, sq_norms, mechanism: Mechanism, mask):
         """:meth:`clip_factors` under ``mechanism`` (the aggregator's or another's)."""
         xp = self.backend.namespace()
+        if mask is not None:
+            aggregation.check_mask(mask, sq_norms.shape[0], xp)
         norms = aggregation.group_norms(sq_norms, mechanism, mechanism.leaves, xp=xp)
         return aggregation.clip_factors(norms, [g.clip for g in mechanism.groups], mask=mask,
                                         on_nonfinite=self.on_nonfinite, xp=xp)
@@ -246,6 +248,11 @@ class PrivateAggregator:
         self._mechanism.check_leaves(clipped_sums)
         self._refuse_traced(clipped_sums, factors)
         xp = self.backend.namespace()
+        plain = {leaf: type(clipped_sums[leaf]).__name__ for leaf in self._mechanism.leaves
+                 if not hasattr(clipped_sums[leaf], "dtype")}
+        if plain:
+            raise TypeError(f"clipped sums must be arrays of the backend's namespace, got "
+                            f"{plain}; nothing was recorded")
         bad = [leaf for leaf in self._mechanism.leaves
                if not aggregation.all_finite(clipped_sums[leaf], xp)]
         if bad:
@@ -343,6 +350,8 @@ class PrivateAggregator:
         if factors is None:
             raise ValueError("adaptive clipping needs the step's clip factors: pass "
                              "factors=factors (and mask=mask) to the release")
+        if mask is not None:
+            aggregation.check_mask(mask, factors.shape[0], self.backend.namespace())
         return self._policy.count_sums(factors, mask)
 
     def noise_draws(self, like: Mapping[str, object], *, noise: bool = True) -> NoiseDraws:
@@ -490,11 +499,17 @@ class PrivateAggregator:
         header = self.ledger.header
         if (mechanism.record, mechanism.microbatch_size) != (header.record,
                                                              header.microbatch_size):
-            raise ValueError(f"the mechanism's record is {mechanism.record!r}, the ledger's "
-                             f"{header.record!r}: a step's queries share one unit of privacy")
+            raise ValueError(f"the mechanism is for {_unit(mechanism)}, the ledger for "
+                             f"{_unit(header)}: a step's queries share one unit of privacy")
         clash = sorted({g.name for g in mechanism.groups} & {g.name for g in self._released.groups})
         if clash:
             raise ValueError(f"group names {clash} are the aggregator's own; give the other "
                              f"mechanism's groups names of their own (the ledger tells them "
                              f"apart by name)")
         return declared if self.budget is not None else None
+
+
+def _unit(of) -> str:
+    """The unit of privacy of a mechanism or ledger header, as its fields read."""
+    size = f", microbatch_size={of.microbatch_size}" if of.microbatch_size is not None else ""
+    return f"record={of.record!r}{size}"

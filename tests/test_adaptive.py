@@ -8,7 +8,7 @@ import pytest
 from dpcore import PrivateAggregator, flat, per_layer
 from dpcore.accounting import epsilon
 from dpcore.adaptive import (QuantileClipping, gradient_noise_multiplier, update_clip)
-from dpcore.ledger import SumQueryEvent
+from dpcore.ledger import SamplingEvent, SumQueryEvent
 
 N, Q = 10_000, 0.01  # q n = 100 records a round, default sigma_b = 5
 
@@ -129,6 +129,10 @@ def test_release_sums_needs_factors_under_adaptive_clipping():
     agg.begin_step()
     with pytest.raises(ValueError, match="needs the step's clip factors"):
         agg.release_sums({"x": np.zeros(1)})
+    factors = np.ones((3, 1))
+    with pytest.raises(ValueError, match=r"booleans or 0/1 .* got \[nan\]"):
+        agg.release_sums({"x": np.zeros(1)}, factors=factors, mask=np.array([1, np.nan, 0]))
+    assert agg.ledger.events[-1] == SamplingEvent(Q, N)  # nothing released
 
 
 def test_processes_add_up_their_counts_and_move_the_clips_from_the_sum():

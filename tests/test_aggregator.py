@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from dpcore import Group, Mechanism, PrivateAggregator, read_ledger
+from dpcore import Group, Ledger, Mechanism, PrivateAggregator, read_ledger
 from dpcore.aggregation import NonFiniteNormError
 from dpcore.ledger import SamplingEvent, SumQueryEvent
 
@@ -77,6 +77,15 @@ def test_integer_and_bool_records_are_clipped_and_summed_as_numbers(dtype):
         norms = np.linalg.norm(values, axis=1, keepdims=True)
         expected = (clip / np.maximum(norms, clip) * values).sum(0) / 20
         np.testing.assert_allclose(agg.release({"m": records})["m"], expected, rtol=1e-12)
+
+
+def test_complex_records_are_refused():
+    """Cast to float64 they lost their imaginary parts (a ComplexWarning only)."""
+    agg = PrivateAggregator(Mechanism((Group("m", ("m",), 1.0, 0.0),)), n=40, q=0.5)
+    agg.begin_step()
+    with pytest.raises(TypeError, match=r"leaf 'm' is complex \(complex128\)"):
+        agg.release({"m": np.full((2, 3), 1j)})
+    assert agg.ledger.events == (SamplingEvent(0.5, 40),)
 
 
 def test_float16_records_get_noise_of_the_recorded_std():
@@ -153,6 +162,24 @@ def test_padded_batch_uses_only_real_rows():
         v[2:] = np.nan
     out = agg.release(per_record, mask=mask)
     np.testing.assert_allclose(out["w"], per_record["w"][:2].sum(axis=0) / 5.0)
+
+
+@pytest.mark.parametrize("mask, error, message", [
+    (np.array([1.0, np.nan, 0.0, 0.0]), ValueError, r"booleans or 0/1 .* got \[nan\]"),
+    (np.array([1.0, 0.5, 0.0, 0.0]), ValueError, r"booleans or 0/1 .* got \[0.5\]"),
+    (np.array([True, True, False]), ValueError, r"shape \(4,\), one entry per row, got \(3,\)"),
+    ([1, 1, 0, 0], TypeError, "mask must be an array of the backend's namespace, got list"),
+])
+def test_a_mask_that_is_not_one_boolean_per_row_is_refused(mask, error, message):
+    """A NaN or fractional entry was read as True: a padded row counted as a record."""
+    mechanism = Mechanism((Group("g", ("w",), clip=1.0, noise_std=0.0),))
+    agg = PrivateAggregator(mechanism, n=40, q=0.5, seed=1)
+    agg.begin_step()
+    with pytest.raises(error, match=message):
+        agg.release({"w": np.ones((4, 3))}, mask=mask)
+    assert agg.ledger.events == (SamplingEvent(0.5, 40),)  # nothing released
+    out = agg.release({"w": np.ones((4, 3))}, mask=np.array([1.0, 1.0, 0.0, 0.0]))
+    np.testing.assert_allclose(out["w"], np.full(3, 2 / np.sqrt(3) / 20))
 
 
 def test_errors():
@@ -250,7 +277,7 @@ def test_another_mechanism_s_release_refuses_what_it_cannot_price():
     agg.sample()
     with pytest.raises(ValueError, match=r"\['dense'\] are the aggregator's own"):
         agg.release(rows, mechanism=Mechanism((Group("dense", ("correct", "loss"), 1.0, 1.0),)))
-    with pytest.raises(ValueError, match="record is 'user'"):
+    with pytest.raises(ValueError, match="mechanism is for record='user'"):
         agg.release(rows, mechanism=Mechanism(METRIC.groups, record="user"))
     with pytest.raises(TypeError, match="must be a dpcore Mechanism"):
         agg.release(rows, mechanism="metric")
@@ -344,3 +371,33 @@ def test_nonfinite_sums_are_refused_before_anything_is_recorded(tmp_path, bad):
     assert list(agg.ledger.events) == events
     assert np.all(np.isfinite(agg.release_sums({"x": np.array([0.5, 1.0])})["x"]))
     agg.ledger.close()
+
+
+def test_sums_that_are_not_arrays_are_refused_before_anything_is_recorded():
+    """A Python list was recorded as a release, then failed (AttributeError): each try
+    added a sum query to the ledger."""
+    mechanism = Mechanism((Group("g", ("x",), clip=1.0, noise_std=1.0),))
+    agg = PrivateAggregator(mechanism, n=100, q=0.1, seed=0)
+    agg.begin_step()
+    for bad in ([1.0, 2.0], 3.0):
+        with pytest.raises(TypeError, match=r"arrays of the backend's namespace, got \{'x': "):
+            agg.release_sums({"x": bad})
+    assert agg.ledger.events == (SamplingEvent(0.1, 100),)
+
+
+def test_a_unit_of_privacy_mismatch_names_both_units():
+    """Microbatches of 8 against a ledger of microbatches of 4 printed record='microbatch'
+    for both."""
+    fours = Ledger(record="microbatch", microbatch_size=4)
+    eights = Mechanism((Group("g", ("x",), 1.0, 1.0),), "microbatch", 8)
+    with pytest.raises(ValueError, match=r"ledger is for record='microbatch', microbatch_size="
+                                         r"4, the mechanism for record='microbatch', "
+                                         r"microbatch_size=8"):
+        PrivateAggregator(eights, n=100, q=0.1, ledger=fours)
+    agg = PrivateAggregator(Mechanism((Group("g", ("x",), 1.0, 1.0),), "microbatch", 4),
+                            n=100, q=0.1, ledger=fours)
+    agg.begin_step()
+    other = Mechanism((Group("metric", ("m",), 1.0, 1.0),))
+    with pytest.raises(ValueError, match=r"the mechanism is for record='example', the ledger "
+                                         r"for record='microbatch', microbatch_size=4"):
+        agg.release({"m": np.ones((2, 1))}, mechanism=other)

@@ -23,7 +23,7 @@ import numpy as np
 
 from dpcore import backend as contract
 
-from dpcore.aggregation import NonFiniteNormError, per_leaf_sq_norms
+from dpcore.aggregation import NonFiniteNormError, check_mask, per_leaf_sq_norms
 
 from .names import leaf_names, named_leaves
 from .noise import KEY_IMPL, standard_normal
@@ -130,6 +130,8 @@ class JaxBackend(contract.Backend):
         sums, nonfinite, factors = clipping_kernel(loss_fn, clip_free(mechanism))(
             params, batch, mask, clips)
         refuse_tracers("JaxBackend.private_gradient", nonfinite)
+        if mask is not None:  # the program read it as booleans: a NaN or 0.5 as True
+            check_mask(jnp.asarray(mask), factors.shape[0], jnp)
         if aggregator.on_nonfinite == "raise" and int(nonfinite):
             raise NonFiniteNormError(
                 f"{int(nonfinite)} record(s) of this batch have a NaN or infinite gradient "

@@ -590,6 +590,10 @@ def test_backend_private_gradient_is_the_fused_step_and_writes_the_ledger():
     factor = np.minimum(1.0, 0.5 / norms) * mask
     np.testing.assert_allclose(grads["w"], factor @ per_example["w"] / 12.0, rtol=1e-5)
     assert [type(e) for e in agg.ledger.events] == [SamplingEvent, SumQueryEvent]
+    agg.sample()
+    with pytest.raises(ValueError, match=r"booleans or 0/1 .* got \[0.5, 0.5\]"):  # as True
+        backend.private_gradient(loss_fn, params, (x, y), agg, mask=np.where(mask, 1.0, 0.5))
+    assert [type(e) for e in agg.ledger.events] == [SamplingEvent, SumQueryEvent, SamplingEvent]
     with pytest.raises(TypeError, match="backend must be the JAX backend"):
         private_grad(loss_fn, dpcore.PrivateAggregator(agg.mechanism, n=10, q=0.5))
 
