@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import sys
+import warnings
 from typing import Sequence
 
 EXIT_BAD_INPUT = 2
@@ -102,8 +103,14 @@ def _cmd_calibrate(args) -> None:
 # --------------------------------------------------------------------------- ledger
 
 def _read(args):
-    from .ledger import read_ledger
-    return read_ledger(args.file, allow_torn_tail=args.allow_torn_tail)
+    """The ledger at ``args.file``; what was tolerated in it is printed as one line each."""
+    from .ledger import LedgerWarning, read_ledger
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LedgerWarning)
+        ledger = read_ledger(args.file, allow_torn_tail=args.allow_torn_tail)
+    for warning in caught:
+        print(f"dpcore: warning: {warning.message}", file=sys.stderr)
+    return ledger
 
 
 def _cmd_ledger_epsilon(args) -> None:

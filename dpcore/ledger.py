@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -396,6 +397,10 @@ def _parse(path: Path, *, allow_torn_tail: bool) -> tuple[Header, list[Event], i
     keep = len(data)
     if tail:
         number = len(complete) + 1
+        if not re.fullmatch(rb"\{[\x20-\x7e]*", tail):  # what the writer's ASCII JSON is not
+            raise LedgerError(f"{path}, line {number}: not valid JSON, nor the start of a "
+                              f"ledger line (its lines are JSON objects in ASCII text): not a "
+                              f"ledger, or damaged")
         message = (f"{path}, line {number}: torn last line ({len(tail)} bytes without a "
                    f"newline; a crash while writing?)")
         if not allow_torn_tail:

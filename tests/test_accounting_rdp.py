@@ -3,6 +3,7 @@
 import itertools
 import logging
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -110,6 +111,15 @@ def test_conventions():
     assert RDPAccountant([(0.5, 0.0, 1)]).epsilon(1e-5) == math.inf
     assert RDPAccountant([(0.5, 0.0, 1)]).delta(10.0) == 1.0
     assert RDPAccountant([]).epsilon(1e-5) == 0
+
+
+@pytest.mark.parametrize("z", [1e100, 1e154, 1e300])
+def test_a_huge_noise_multiplier_costs_at_most_the_plain_gaussians_without_warnings(z):
+    """z^2 overflowed in the series: NumPy warned (invalid value in subtract) on every call."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        values = rdp_subsampled_gaussian(0.01, z, DEFAULT_ORDERS)
+    assert np.all(values >= 0) and np.all(values <= np.asarray(DEFAULT_ORDERS) / (2 * z * z))
 
 
 @pytest.mark.parametrize("q,z", [(1e-9, 0.3), (1e-6, 100.0), (0.999999, 0.2), (0.5, 1e-3),

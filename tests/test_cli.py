@@ -183,3 +183,19 @@ def test_module_entry_point():
                           "-T", "100", "--delta", "1e-5"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("dpcore: error:")
+
+
+def test_a_torn_tail_is_one_warning_line_and_binary_data_an_error(capsys, ledger_file, tmp_path):
+    """--allow-torn-tail printed a two-line Python warning (file, line, source); a binary file
+    without a newline was read as a torn last line and dropped."""
+    with open(ledger_file, "a") as f:
+        f.write('{"event":"sampling","q":0.0')
+    code, out, err = run(capsys, "ledger", "epsilon", str(ledger_file), "--delta", "1e-5",
+                         "--allow-torn-tail", "--json")
+    assert code == 0 and json.loads(out)["steps"] == 120
+    assert err.splitlines() == [f"dpcore: warning: {ledger_file}, line 242: torn last line "
+                                f"(27 bytes without a newline; a crash while writing?); dropped"]
+    binary = tmp_path / "image.png"
+    binary.write_bytes(bytes(range(256)).replace(b"\n", b""))
+    code, _, err = run(capsys, "ledger", "show", str(binary), "--allow-torn-tail")
+    assert code == 2 and "line 1: not valid JSON, nor the start of a ledger line" in err

@@ -235,5 +235,17 @@ def test_a_line_nested_too_deep_for_the_json_parser_is_a_ledger_error(tmp_path):
     tail.write_text(header + sampling + "[" * 100_000)
     with pytest.raises(LedgerError, match=r"middle.jsonl, line 3: not valid JSON"):
         read_ledger(middle)
-    with pytest.raises(LedgerError, match=r"tail.jsonl, line 3: torn last line"):
-        Ledger(tail)
+    with pytest.raises(LedgerError, match=r"tail.jsonl, line 3: not valid JSON, nor the start"):
+        Ledger(tail, allow_torn_tail=True)  # a torn event line starts with '{'
+
+
+@pytest.mark.parametrize("tail", [b"\x89PNG\r\x1a\x00\xff", b'{"event":"sampling","q":0.1\xff',
+                                  b"[1, 2", b'{"event":"samp\x00'])
+def test_bytes_the_writer_never_writes_are_no_torn_line(tmp_path, tail):
+    """They were reported as a torn last line, and dropped with allow_torn_tail=True."""
+    path = torn_ledger(tmp_path)
+    path.write_bytes(path.read_bytes()[:path.read_bytes().rindex(b"\n") + 1] + tail)
+    for allow in (False, True):
+        with pytest.raises(LedgerError, match=r"line 6: not valid JSON, nor the start of a "
+                                              r"ledger line"):
+            read_ledger(path, allow_torn_tail=allow)

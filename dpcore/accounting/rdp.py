@@ -142,7 +142,9 @@ def rdp_subsampled_gaussian(q: float, noise_multiplier: float, orders=DEFAULT_OR
     """RDP of one Poisson-subsampled Gaussian step at each of ``orders`` (all > 1).
 
     ``q = 0`` or ``z = inf`` cost 0; ``z = 0`` (with q > 0) costs ``inf``; ``q = 1`` is the
-    plain Gaussian mechanism, alpha / (2 z^2).
+    plain Gaussian mechanism, alpha / (2 z^2), which also bounds (subsampling does not add
+    privacy loss) ``z >= 1e100``, where the series' z^2 terms overflow and every order costs
+    under 1e-197.
     """
     q = check.probability("q (sampling rate)", q, allow_zero=True)
     z = check.non_negative("noise_multiplier", noise_multiplier, allow_inf=True)
@@ -151,7 +153,7 @@ def rdp_subsampled_gaussian(q: float, noise_multiplier: float, orders=DEFAULT_OR
         return np.zeros_like(orders)
     if z == 0:
         return np.full_like(orders, math.inf)
-    if q == 1:
+    if q == 1 or z >= 1e100:
         return orders / (2 * z * z)
     integer = orders == np.floor(orders)
     log_a = np.empty_like(orders)
