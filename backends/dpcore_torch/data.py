@@ -10,12 +10,16 @@ released steps depend on the data.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import math
 from collections.abc import Mapping
 from typing import Iterator
 
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import (DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler,
+                              WeightedRandomSampler)
 from torch.utils.data.dataloader import default_collate
+from torch.utils.data.distributed import DistributedSampler
 
 from dpcore import PoissonSampler
 
@@ -43,11 +47,13 @@ class PoissonBatchSampler(Sampler[list[int]]):
         self.steps = steps_per_epoch(q) if steps is None else steps
 
     def __iter__(self) -> Iterator[list[int]]:
+        self.sizes = sizes = collections.deque()  # this pass's sample sizes, not yet handed out
         for _ in range(self.steps):
             sample = self.sampler.sample()
             if self.shard is not None:
                 rank, world = self.shard
                 sample = sample[sample % world == rank]
+            sizes.append(len(sample))
             yield sample.tolist()
 
     def __len__(self) -> int:
@@ -65,41 +71,46 @@ class _EmptySafeCollate:
     def __call__(self, examples):
         if examples:
             return self.collate(examples)
-        return _no_rows(self.collate([self.dataset[0]]))
+        first = self.dataset[0]
+        return _no_rows(self.collate([first]), self.collate([first, first]))
 
 
-def _no_rows(batch):
-    """The zero-example version of ``batch``, a collated batch of one example."""
-    if hasattr(batch, "shape") and len(batch.shape):
-        return batch[:0]
-    if isinstance(batch, Mapping):
-        return type(batch)({key: _no_rows(value) for key, value in batch.items()})
-    if isinstance(batch, (list, tuple)):
-        if all(_is_value(item) for item in batch):  # one value per example
-            return type(batch)()
-        items = [_no_rows(item) for item in batch]
-        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+def _no_rows(one, two):
+    """The zero-example version of ``one``, a collated batch of one example, given ``two``,
+    the same example collated twice: a list whose length follows the number of examples
+    holds one value per example (labels, variable-size images) and becomes empty."""
+    if hasattr(one, "shape") and len(one.shape):
+        return one[:0]
+    if isinstance(one, Mapping):
+        return type(one)({key: _no_rows(value, two[key]) for key, value in one.items()})
+    if isinstance(one, (list, tuple)):
+        if len(one) != len(two):  # one value per example
+            return type(one)()
+        items = [_no_rows(a, b) for a, b in zip(one, two)]
+        return type(one)(*items) if hasattr(one, "_fields") else type(one)(items)
     raise TypeError(
         f"cannot form an empty Poisson sample: the collated batch holds a "
-        f"{type(batch).__name__} that is neither a tensor nor a list with one value per "
+        f"{type(one).__name__} that is neither a tensor nor a list with one value per "
         f"example, and it would carry an unsampled record's data. Make collate_fn return "
         f"tensors or lists of per-example values")
 
 
-def _is_value(item) -> bool:
-    """Whether ``item`` is a per-example value in a list (not a tensor or a container)."""
-    return not (hasattr(item, "shape") or isinstance(item, (Mapping, list, tuple)))
-
-
 class PoissonLoader(DataLoader):
     """A DataLoader of Poisson samples that counts the samples it has handed out
-    (``samples_given``), so that a step can tell which sample its micro-batches came from."""
+    (``samples_given``), so that a step can tell which sample its micro-batches came from,
+    and keeps the number of records of the last (``last_size``; None when the batches may
+    come out of order, ``in_order=False``)."""
 
     samples_given = 0
+    last_size = None
 
     def __iter__(self):
+        sizes = None
         for batch in super().__iter__():
+            if sizes is None:  # the pass has begun: its sampler's sizes, in the batches' order
+                sizes = self.batch_sampler.sizes
             self.samples_given += 1
+            self.last_size = sizes.popleft() if getattr(self, "in_order", True) else None
             yield batch
 
 
@@ -140,6 +151,35 @@ def sample_rate_of(loader: DataLoader, processes: int = 1) -> float:
         per = f" times {processes} processes" if processes > 1 else ""
         raise ValueError(f"batch_size {size}{per} must be in [1, len(dataset) = {n}]")
     return size * processes / n
+
+
+def check_whole_dataset(loader: DataLoader) -> None:
+    """Refuse a loader whose sampler leaves records out or weights them: the Poisson loader
+    replacing it samples every record of the dataset at rate q, so it would train on the
+    records left out (a SubsetRandomSampler's held-out split) or drop the weights."""
+    batches = loader.batch_size is None  # a custom batch_sampler
+    sampler = loader.batch_sampler if batches else loader.sampler
+    if isinstance(sampler, (SequentialSampler, RandomSampler, DistributedSampler)):
+        return
+    name, n = type(sampler).__name__, len(loader.dataset)
+    if isinstance(sampler, WeightedRandomSampler):
+        raise ValueError("the loader's WeightedRandomSampler would be dropped: Poisson sampling "
+                         "draws every record with the same probability q, as the accountants "
+                         "assume; weight the examples' losses, or resample the dataset, instead")
+    try:
+        size = len(sampler)
+    except TypeError:
+        raise ValueError(f"the loader's {name} has no length, so which records it draws cannot "
+                         f"be checked: pass the records to train on as the dataset") from None
+    drawn = set()
+    for item in itertools.islice(iter(sampler), size):
+        drawn.update(int(i) for i in item) if batches else drawn.add(int(item))
+    if len(drawn & set(range(n))) < n:
+        raise ValueError(f"the loader's {name} draws {len(drawn)} of the dataset's {n} records "
+                         f"in an epoch, but make_private samples every record of the dataset "
+                         f"(Poisson, at rate q): the others would be trained on too. Pass the "
+                         f"records to train on as the dataset (torch.utils.data.Subset(dataset, "
+                         f"indices))")
 
 
 def steps_per_epoch(q: float) -> int:

@@ -9,6 +9,7 @@ post-processing of the private release, so momentum, Adam or weight decay cost n
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import torch
@@ -19,6 +20,18 @@ from .distributed import Workers
 from .data import PoissonLoader
 from .engine import NOT_COPIED, PerExampleEngine
 from .step import clip_into
+
+
+def refuse_closure_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer whose ``step`` needs a closure (L-BFGS): it evaluates the loss
+    several times per step, each a gradient of the same sample that would need a release
+    of its own, while a private step releases one."""
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise TypeError(f"{type(optimizer).__name__}.step needs a closure, which it calls "
+                        f"several times per step: each call's gradient of the sample would "
+                        f"be a release of its own. Use an optimizer that steps on one "
+                        f"gradient (SGD, Adam, ...)")
 
 
 class PrivateOptimizer(torch.optim.Optimizer):
@@ -47,6 +60,8 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self._stepped_at = 0  # the engine's batch count at the last step released
         self._loader = loader  # the run's Poisson loader: which sample a step's parts are of
         self._begun_on = None  # the loader's samples handed out when the step began
+        self._warned_unsampled = False  # a step on a batch not of the loader (warned once)
+        self._taken_on = None  # the loader's samples handed out when the last step was taken
 
     def __reduce_ex__(self, protocol):
         """Refused (:meth:`PerExampleEngine.__reduce_ex__`): torch's optimizers copy and pickle
@@ -156,11 +171,33 @@ class PrivateOptimizer(torch.optim.Optimizer):
             self._pending, self._failed = None, None
         if self._pending is None:
             if self._loader is not None:
+                self._refuse_a_used_sample()
                 self._begun_on = self._loader.samples_given
             self.aggregator.begin_step()
             noise = self.workers is None or self.workers.draws_noise
             self._pending = (self.aggregator.noise_draws(self.engine.params, noise=noise), [])
         return self.aggregator.step
+
+    def _refuse_a_used_sample(self) -> None:
+        """A step needs a sample of the loader that no step was taken on: a second step on
+        one batch would be recorded as a fresh Poisson sample, priced as if its records had
+        been drawn anew (four steps a batch: epsilon 1.20 reported for 6.48). (A step that
+        failed released nothing: the sample may be stepped on again.) Steps before
+        any batch came from the loader (batches of another DataLoader, whose sampling the
+        ledger does not describe) get a warning, once."""
+        given = self._loader.samples_given
+        if given == 0 and not self._warned_unsampled:
+            self._warned_unsampled = True
+            warnings.warn(
+                "a step on a batch that did not come from the loader make_private returned: "
+                "the ledger records it as a Poisson sample at q, which only that loader draws",
+                RuntimeWarning, stacklevel=4)
+        elif given and given == self._taken_on:
+            raise RuntimeError(
+                f"step {self.aggregator.step + 1} has no sample of its own: a step was taken "
+                f"on the last batch of the loader make_private returned, and a step on a batch "
+                f"already released would be priced as a fresh Poisson sample. Take one "
+                f"step() per batch of that loader; nothing was recorded")
 
     def _accumulate(self) -> None:
         self._refuse_stray(self.param_groups, grads=True)
@@ -218,7 +255,7 @@ class PrivateOptimizer(torch.optim.Optimizer):
             grads = self._release_across(draws, factors)
         for name, p in self.engine.params.items():  # a parameter frozen since: not updated
             p.grad = grads[name] if p.requires_grad else None
-        self._stepped_at = self.engine.batches
+        self._stepped_at, self._taken_on = self.engine.batches, self._begun_on
         self.original_optimizer.step()
         return loss
 
@@ -235,12 +272,30 @@ class PrivateOptimizer(torch.optim.Optimizer):
                 "release() between accumulate() and step() across processes: their numbers "
                 "of micro-batches differ, so their releases would not meet. Release the "
                 "metric after step(), from the values of the whole sample")
+        if self.workers is None:
+            self._check_rows(values)
+        else:  # a refusal in one process is one in all: none waits in the others' sum
+            self.workers.agree(lambda: self._check_rows(values))
         if self._pending is None and self.engine.batches != self._stepped_at:
             self.begin()  # a batch since the last step: its step begins here
         with torch.no_grad():
             if self.workers is None:
                 return self.aggregator.release(values, mechanism=mechanism)
             return self.workers.release_extra(self.aggregator, values, mechanism)
+
+    def _check_rows(self, values) -> None:
+        """Refuse ``values`` with more rows than the loader's last sample has records (in
+        this process): rows per token or per augmentation would let one record move the
+        release by several clips, priced as one."""
+        records = None if self._loader is None else self._loader.last_size
+        rows = max((int(v.shape[0]) for v in values.values() if getattr(v, "ndim", 0)),
+                   default=0)
+        if records is not None and rows > records:
+            raise ValueError(
+                f"release() takes at most one row per record, but the values have {rows} rows "
+                f"and the loader's last sample {records} records: rows per token or per "
+                f"augmentation would let one record move the release by several clips. "
+                f"Reduce the values to one row per record first")
 
     def _release_across(self, draws, factors) -> dict:
         """The release summed over the processes; a release (its ledger write) failing in one
