@@ -26,7 +26,7 @@ from dpcore.aggregation import NonFiniteNormError
 from dpcore.backend import GHOST_NORMS, JIT, PER_EXAMPLE_GRADS, Backend
 
 from . import vectorized
-from .kernels import GroupClipper, clips_of
+from .kernels import GroupClipper, check_host_mask, clips_of
 from .namespace import namespace
 
 
@@ -115,6 +115,8 @@ class TensorFlowBackend(Backend):
             factors = np.zeros((0, len(mechanism.groups)), values[0].dtype.as_numpy_dtype)
             return aggregator.release_sums({k: tf.zeros_like(v) for k, v in zip(names, values)},
                                            factors=factors)
+        if mask is not None:
+            check_host_mask(mask)
         mask = (tf.ones([size], tf.bool) if mask is None
                 else tf.cast(tf.reshape(tf.convert_to_tensor(mask), [size]), tf.bool))
         clipper = GroupClipper(mechanism, names)

@@ -20,6 +20,7 @@ import warnings
 from typing import Callable, NamedTuple
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from . import layer_grads as lg
@@ -52,7 +53,8 @@ def _cast(structure, dtype):
     return tf.nest.map_structure(cast, structure)
 
 
-def _unfed(plan, recorder, x, losses) -> set[int]:
+def _unfed(plan, recorder, x, losses, traced: set[int] | None = None, *,
+           warn: bool = True) -> set[int]:
     """The tapped layers (keys of ``plan``) whose output is not fed by the batch: every
     tapped call's output z must have the examples on axis 0, so that its backprop rows are
     the examples' own. A layer called on something the batch does not feed (positions from
@@ -61,16 +63,23 @@ def _unfed(plan, recorder, x, losses) -> set[int]:
     shape check). In a traced step such a z is unreachable in the graph from the inputs
     ``x`` (unless its input has the static shape of one of the inputs: a constant broadcast
     to the batch); its layer's variables then take the vectorized fallback. A fed z must have
-    the batch's leading size."""
-    graph = not tf.executing_eagerly()
+    the batch's leading size. Eager tensors carry no graph: an eager step passes the keys
+    found in its forward pass ``traced`` (:meth:`ClippedGradients._unfed_when_traced`)."""
+    graph = traced is None
     inputs = [t for t in tf.nest.flatten(x) if tf.is_tensor(t)]
     fed = _fed_by(inputs) if graph else None
     shapes = {tuple(t.shape) for t in inputs if t.shape.is_fully_defined()}
     batch, unfed = losses.shape[0], set()
     for key, saves in recorder.saved.items():
         name = plan[key][0].name
-        if graph and any(z.op.name not in fed and not _batch_shaped(saved, shapes)
-                         for saved, z in saves):
+        if graph and any(z.graph is not losses.graph for _, z in saves):
+            raise ValueError(f"layer {name!r} is called inside TensorFlow control flow (a "
+                             f"Keras RNN cell, unroll=False, runs in a tf.while_loop): the "
+                             f"backprops of its calls there cannot be taken, and its "
+                             f"gradients came out 0. Unroll the loop (RNN(..., unroll=True)) "
+                             f"or call the layer outside it")
+        if key in traced if not graph else any(
+                z.op.name not in fed and not _batch_shaped(saved, shapes) for saved, z in saves):
             unfed.add(key)
             continue
         for _, z in saves:
@@ -83,7 +92,7 @@ def _unfed(plan, recorder, x, losses) -> set[int]:
                 tf.debugging.assert_equal(
                     tf.shape(z)[0], tf.shape(losses)[0],
                     message=f"layer {name!r}: the examples must be on axis 0 of its input")
-    if unfed:
+    if unfed and warn:
         warnings.warn(f"layers {sorted(plan[key][0].name for key in unfed)} were called on a "
                       f"tensor the batch does not feed (e.g. positions from keras.ops.arange): "
                       f"their per-example gradients take the vectorized fallback (slow). "
@@ -94,14 +103,18 @@ def _unfed(plan, recorder, x, losses) -> set[int]:
 
 
 def _batch_shaped(saved, shapes) -> bool:
-    """Whether a call's input (first saved tensor) has the full static shape, of two axes or
-    more, of one of the step's inputs: a constant broadcast to the batch (positions
-    ``broadcast_to(arange(T), (B, T))`` under static shapes), one row per example, which the
-    graph cannot show fed. (Positions (T,) of a model with a (B,) input and B = T would pass
-    a one-axis comparison.)"""
+    """Whether a call's input (first saved tensor) is a constant broadcast to the batch
+    (positions ``broadcast_to(arange(T), (B, T))`` under static shapes), one row per example,
+    which the graph cannot show fed: the full static shape, of two axes or more, of one of
+    the step's inputs, and equal rows. (Positions (T,) of a model with a (B,) input and B = T
+    would pass a one-axis comparison; a (T, T) table of relative positions, rows unequal,
+    the shape of (B, T) ids when B = T.)"""
     first = tf.nest.flatten(saved)[0]
-    return (first.shape.rank is not None and first.shape.rank >= 2
-            and first.shape.is_fully_defined() and tuple(first.shape) in shapes)
+    if not (first.shape.rank is not None and first.shape.rank >= 2
+            and first.shape.is_fully_defined() and tuple(first.shape) in shapes):
+        return False
+    value = tf.get_static_value(first)
+    return value is not None and bool(np.all(value == value[:1]))
 
 
 def _fed_by(inputs) -> set[str]:
@@ -140,10 +153,12 @@ class ClippedGradients:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         layer_taps.check_per_example(model)
         layer_taps.check_no_regularizers(model)
+        layer_taps.check_no_grouped_convolutions(model)
         self.model, self.mode = model, mode
         self.names = leaf_names(model)
         self.variables = list(model.trainable_variables)
         self.plan: dict[int, tuple] = {}
+        self._traced: dict[tuple, set[int]] = {}  # _unfed_when_traced, by input signature
         if mode != "vectorized":
             for layer in model._flatten_layers(include_self=True, recursive=True):
                 tap = layer_taps.tap_for(layer)
@@ -179,7 +194,8 @@ class ClippedGradients:
             weighted = losses if scale is None else losses * tf.cast(scale, losses.dtype)
             masked = tf.where(mask, weighted, tf.zeros_like(losses))
             total = tf.reduce_sum(masked)
-        unfed = _unfed(self.plan, recorder, x, losses)
+        traced = self._unfed_when_traced(x, y, loss_fn) if tf.executing_eagerly() else None
+        unfed = _unfed(self.plan, recorder, x, losses, traced)
         taps = [(key, z) for key, saves in recorder.saved.items() if key not in unfed
                 for _, z in saves]
         # every tapped layer's variables, called or not (a layer never called may still have
@@ -231,6 +247,30 @@ class ClippedGradients:
         calls = [(self.plan[key][0].name, saved, z) for key, saves in recorder.saved.items()
                  for saved, z in saves]
         return Pass(objects, losses, outputs, mask, calls)
+
+    def _unfed_when_traced(self, x, y, loss_fn: Callable) -> set[int]:
+        """The keys of the tapped layers the batch does not feed, as a traced step finds them:
+        the forward pass traced (not run) once per input signature. (Eager, only shapes were
+        checked: positions arange(T) with T = B were clipped as examples, a record then
+        moving the release by 3 to 8 clips.)"""
+        specs = tf.nest.map_structure(
+            lambda t: tf.TensorSpec.from_tensor(tf.convert_to_tensor(t))
+            if tf.is_tensor(t) or isinstance(t, np.ndarray) else t, (x, y))
+        key = (id(loss_fn), repr(specs))
+        if key not in self._traced:
+            found = {}
+
+            def forward(x, y):
+                with tf.GradientTape() as tape:
+                    recorder = layer_taps.Recorder(tape)
+                    with layer_taps.tapped(self.plan, recorder):
+                        losses, _ = self._forward(x, y, loss_fn)
+                found["unfed"] = _unfed(self.plan, recorder, x, losses, warn=False)
+                return losses
+
+            tf.function(forward).get_concrete_function(*specs)
+            self._traced[key] = found["unfed"]
+        return self._traced[key]
 
     def _vectorized_objects(self, x, y, loss_fn: Callable, mask: tf.Tensor):
         """Every variable's per-example gradients by the model on one example at a time."""

@@ -91,6 +91,10 @@ class PrivateModel(keras.Model):
             raise ValueError("a private model needs its loss at compile time (one loss per "
                              "example is clipped)")
         per_example_loss(loss)  # one loss, of a kind the step can take per example
+        if kwargs.get("loss_weights") is not None:
+            raise ValueError(f"loss_weights={kwargs['loss_weights']!r} would not be applied: a "
+                             f"private model clips one loss per example, the compiled loss "
+                             f"itself; scale that loss instead (a factor before clipping)")
         if kwargs.get("steps_per_execution", 1) != 1:
             raise ValueError(f"steps_per_execution must be 1 for a private model (the ledger "
                              f"is written before every step), got {kwargs['steps_per_execution']}")

@@ -41,6 +41,19 @@ def check_per_example(model: keras.layers.Layer) -> None:
                 f"inference mode with fixed statistics).")
 
 
+def check_no_grouped_convolutions(model: keras.layers.Layer) -> None:
+    """Raise for a trainable convolution with ``groups`` > 1: no tap takes it, and the
+    vectorized fallback cannot either (TensorFlow's pfor has no batched filter gradient of
+    a grouped convolution: the step failed after its ledger events were written)."""
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        if getattr(layer, "groups", 1) > 1 and layer.trainable_weights and isinstance(
+                layer, layers.Conv1D | layers.Conv2D | layers.Conv3D):
+            raise ValueError(f"layer {layer.name!r} is a grouped convolution (groups="
+                             f"{layer.groups}), whose per-example gradients TensorFlow cannot "
+                             f"vectorise: use groups=1, or a DepthwiseConv2D for groups equal "
+                             f"to the channels")
+
+
 def check_no_regularizers(model: keras.layers.Layer) -> None:
     """Raise for layers with regularizers: the DP step differentiates only the per-example
     losses, so a regularization loss would be silently left out."""

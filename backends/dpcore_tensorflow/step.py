@@ -28,7 +28,8 @@ from dpcore.aggregation import NonFiniteNormError
 
 from .bookkeeping import ClippedGradients
 from .independence import IndependenceCheck
-from .kernels import GroupClipper, clips_of, leaf_stds_of, noisy_mean, structure
+from .kernels import (GroupClipper, check_host_mask, clips_of, leaf_stds_of, noisy_mean,
+                      structure)
 
 
 def per_example_loss(loss) -> Callable:
@@ -213,6 +214,7 @@ class PrivateGradients:
                 f"(strategy.run) with the results added up")
         if mask is None:
             mask = tf.ones([tf.shape(tf.nest.flatten(x)[0])[0]], tf.bool)
+        check_host_mask(mask)
         self.check(x, y, mask)
         inputs = self.record_step()
         if inputs != self._tensors[0]:

@@ -102,6 +102,16 @@ def test_private_gradient_clips_per_group_and_masks(backend):
     assert [e.group for e in agg.ledger.events[1:]] == ["w", "b"]
 
 
+def test_private_gradient_refuses_a_mask_of_weights(backend):
+    """Cast to bool, weights of 0.5 counted as whole records."""
+    params, batch, _ = problem()
+    agg = _aggregator(backend, dpcore.flat(["w", "b"], 1.0, 0.0))
+    mask = np.array([1, 0.5, 0, 1, 1, 1, 0])
+    with pytest.raises(ValueError, match=r"booleans or 0/1 .* got \[0.5\]"):
+        backend.private_gradient(linear_loss(backend.namespace()), params, batch, agg, mask=mask)
+    assert len(agg.ledger.events) == 1  # the sampling event only
+
+
 def test_zero_noise_large_clip_is_the_non_private_sum(backend):
     params, batch, grads = problem()
     agg = _aggregator(backend, dpcore.flat(["w", "b"], 1e9, 0.0))

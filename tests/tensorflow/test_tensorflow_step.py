@@ -366,6 +366,18 @@ def test_train_on_batch_refuses_weights_and_takes_a_padding_mask():
     assert len(private.aggregator.ledger.events) == 0
     private.train_on_batch(x, y, sample_weight=np.r_[np.ones(6), 0, 0].astype("float32"))
     assert private.aggregator.ledger.steps() == [dpcore.Step(0.2, 1.0, 1)]
+    with pytest.raises(ValueError, match="loss_weights=10.0 would not be applied"):
+        private.compile(optimizer="sgd", loss=CE, loss_weights=10.0)  # was ignored
+
+
+def test_private_gradients_refuses_a_mask_of_weights():
+    """Cast to bool in the step, weights of 0.5 counted as whole records."""
+    x, y = data(8, seed=10)
+    model = cnn(10)
+    dp = PrivateGradients(model, CE, aggregator(model, 1.0, 1.0), check_independence=False)
+    with pytest.raises(ValueError, match=r"booleans or 0/1 .* got \[0.5, 0.5\]"):
+        dp(x, y, np.r_[np.ones(6), 0.5, 0.5])
+    assert len(dp.aggregator.ledger.events) == 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
