@@ -23,7 +23,7 @@ import numpy as np
 
 from dpcore import backend as contract
 
-from dpcore.aggregation import NonFiniteNormError, check_mask, per_leaf_sq_norms
+from dpcore.aggregation import NonFiniteNormError, per_leaf_sq_norms
 
 from .names import leaf_names, named_leaves
 from .noise import KEY_IMPL, standard_normal
@@ -123,15 +123,15 @@ class JaxBackend(contract.Backend):
         aggregator's generator and divides by q n. Going through the
         aggregator keeps every clipping policy it supports (schedules, adaptive clipping);
         :class:`dpcore_jax.PrivateStep` fuses the noise and the update into the program too."""
+        from .clipping import check_host_mask
         from .grad import clip_free, clipping_kernel
 
+        check_host_mask(mask)
         mechanism = aggregator.mechanism
         clips = jnp.asarray([g.clip for g in mechanism.groups])
         sums, nonfinite, factors = clipping_kernel(loss_fn, clip_free(mechanism))(
             params, batch, mask, clips)
         refuse_tracers("JaxBackend.private_gradient", nonfinite)
-        if mask is not None:  # the program read it as booleans: a NaN or 0.5 as True
-            check_mask(jnp.asarray(mask), factors.shape[0], jnp)
         if aggregator.on_nonfinite == "raise" and int(nonfinite):
             raise NonFiniteNormError(
                 f"{int(nonfinite)} record(s) of this batch have a NaN or infinite gradient "

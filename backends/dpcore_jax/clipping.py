@@ -22,6 +22,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dpcore import aggregation
 from dpcore.queries import Mechanism
@@ -95,6 +96,16 @@ def _chunk(loss_fn, mechanism, method, params, batch, mask, clips):
     sums = weighted_sums(False)
     sums = jax.lax.cond(jnp.all(finite), lambda: sums, lambda: weighted_sums(True))
     return sums, nonfinite, factors
+
+
+def check_host_mask(mask) -> None:
+    """Refuse a mask given on the host (not a value of a trace) that holds other values than
+    booleans or 0/1: the compiled program reads it as booleans, a NaN or 0.5 as True."""
+    if mask is None or isinstance(mask, jax.core.Tracer):
+        return
+    mask = np.asarray(mask)
+    if mask.ndim == 1 and mask.dtype != bool:  # the program checks the shape
+        aggregation.check_mask(mask, mask.shape[0], np)
 
 
 class ClippedSums(NamedTuple):

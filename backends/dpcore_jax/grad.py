@@ -22,7 +22,7 @@ from dpcore.aggregation import NonFiniteNormError
 from dpcore.queries import Group, Mechanism
 
 from .backend import JaxBackend, refuse_tracers
-from .clipping import clipped_sums, noisy_mean
+from .clipping import check_host_mask, clipped_sums, noisy_mean
 from .noise import NoiseSource
 
 
@@ -111,6 +111,7 @@ class PrivateGrad:
                                              chunk_size=chunk_size, method=method))
 
     def __call__(self, params, batch, mask=None):
+        check_host_mask(mask)
         self._compiled.check()
         key, grads, nonfinite = self._step(params, batch, mask, self._compiled.noise(params))
         self._compiled.release(key, nonfinite)

@@ -23,6 +23,7 @@ from dpcore import _validation as check
 from dpcore.aggregation import NonFiniteNormError
 
 from .batching import Buckets, PoissonBatches, batch_shards, replicated
+from .clipping import check_host_mask
 from .grad import _Compiled, private_mean_fn
 from .names import named_leaves
 
@@ -65,6 +66,7 @@ class PrivateStep:
         self._checked = True
 
     def __call__(self, params, opt_state, batch, mask=None):
+        check_host_mask(mask)
         self.check_params(params)
         self._compiled.check()
         params, opt_state, key, nonfinite = self._step(params, opt_state, batch, mask,

@@ -59,6 +59,23 @@ def test_the_denominator_is_q_n_not_the_realised_size():
     np.testing.assert_allclose(grads["w"], total["w"] / 25.0, rtol=2e-5)
 
 
+def test_a_mask_of_other_values_than_booleans_or_0_1_is_refused_before_the_ledger():
+    """The compiled program reads the mask as booleans: weights of 0.5 counted as records."""
+    rng = np.random.default_rng(1)
+    loss_fn, params = models.model(rng, "logistic")
+    x, y = models.data(rng, "logistic", 4)
+    agg = aggregator(dpcore.flat(leaf_names(params), 1.0, 1.0), n=100, q=0.04, seed=0)
+    agg.sample()
+    weights = np.array([1.0, 0.5, 0.5, 0.0])
+    with pytest.raises(ValueError, match=r"booleans or 0/1 .* got \[0.5, 0.5\]"):
+        private_grad(loss_fn, agg)(params, (x, y), weights)
+    with pytest.raises(ValueError, match=r"booleans or 0/1 .* got \[0.5, 0.5\]"):
+        PrivateStep(loss_fn, optax.sgd(0.1), agg)(params, optax.sgd(0.1).init(params), (x, y),
+                                                  jnp.asarray(weights))
+    assert [type(e) for e in agg.ledger.events] == [SamplingEvent]
+    private_grad(loss_fn, agg)(params, (x, y), np.array([1.0, 1.0, 0.0, 0.0]))  # 0/1 floats
+
+
 @pytest.fixture(params=["in the step", "separate"])
 def noise_drawn(request, monkeypatch):
     """Both places a compiled step's noise is drawn (dpcore_jax.noise.NoiseSource)."""
