@@ -36,7 +36,9 @@ class QuantileClipping:
 
     The base mechanism gives the groups, their initial clips C_0 (the paper starts from 0.1)
     and the total noise multiplier z. ``count_noise_std`` is sigma_b (default q n / 20);
-    a linear update never takes a clip below ``min_clip``.
+    no update takes a clip below ``min_clip`` (a group whose records are all zero, every one
+    unclipped, shrank its clip geometrically into subnormal floats, where clip * z_g keeps
+    a few bits and the step's z drifted below the configured one).
     """
 
     target_quantile: float = 0.5
@@ -74,7 +76,7 @@ def update_clip(clip: float, unclipped_fraction: float, config: QuantileClipping
     """C_{t+1} from C_t and the released fraction b_bar of unclipped records."""
     error = unclipped_fraction - config.target_quantile
     if config.update == "geometric":
-        return clip * math.exp(-config.learning_rate * error)
+        return max(config.min_clip, clip * math.exp(-config.learning_rate * error))
     return max(config.min_clip, clip - config.learning_rate * error)
 
 
@@ -113,7 +115,11 @@ class AdaptiveClipping:
                 for g, group in enumerate(self.count_groups)}
 
     def observe(self, released: dict) -> None:
-        """Update the clips from the released noisy averages of the centred bits."""
-        for g, group in enumerate(self.count_groups):
-            fraction = float(released[group.name][0]) + 0.5
-            self.clips[g] = update_clip(self.clips[g], fraction, self.config)
+        """Update the clips from the released noisy averages of the centred bits (all or
+        none: a NaN or infinite count is refused before any clip moves)."""
+        fractions = [float(released[group.name][0]) + 0.5 for group in self.count_groups]
+        bad = [g.name for g, f in zip(self.count_groups, fractions) if not math.isfinite(f)]
+        if bad:
+            raise FloatingPointError(f"the released counts {bad} are NaN or infinite: the clips "
+                                     f"were not moved")
+        self.clips = [update_clip(clip, f, self.config) for clip, f in zip(self.clips, fractions)]

@@ -64,19 +64,34 @@ def _flat(x, xp, batch: int):
 def as_floating(per_record: Mapping[str, object]) -> Mapping[str, object]:
     """``per_record`` with its bool and integer leaves in the namespace's default real floating
     dtype: squared in their own dtype they overflow (an int8 100 squares to 16), weighted by
-    clip factors they turn the factors into 0 or 1, and bools add up as a logical or. Complex
-    leaves are refused (the cast would drop their imaginary parts)."""
+    clip factors they turn the factors into 0 or 1, and bools add up as a logical or. 16-bit
+    floating leaves are taken in float32: norms, factors and sums rounded to 11 bits let a
+    clipped float16 record through at 1.0013 of its clip. Complex leaves are refused (the
+    cast would drop their imaginary parts)."""
     converted = {}
     for leaf, a in per_record.items():
         xp = array_namespace(a)
         if xp.isdtype(a.dtype, "complex floating"):
             raise TypeError(f"leaf {leaf!r} is complex ({a.dtype}): records are real vectors; "
                             f"pass its real and imaginary parts as real leaves")
-        if not xp.isdtype(a.dtype, "real floating"):
+        if xp.isdtype(a.dtype, "real floating") and xp.finfo(a.dtype).bits < 32:
+            converted[leaf] = xp.astype(a, xp.float32)
+        elif not xp.isdtype(a.dtype, "real floating"):
             where = device(a)
             wanted = xp.__array_namespace_info__().default_dtypes(device=where)["real floating"]
             converted[leaf] = xp.astype(a, wanted)
     return {**per_record, **converted} if converted else per_record
+
+
+def in_record_dtypes(released: Mapping[str, object], per_record: Mapping[str, object]) -> dict:
+    """``released`` averages of floating records in the records' dtypes again (16-bit ones
+    were released in float32; rounding the noisy result is post-processing)."""
+    out = dict(released)
+    for leaf, a in per_record.items():
+        xp = array_namespace(a)
+        if leaf in out and out[leaf].dtype != a.dtype and xp.isdtype(a.dtype, "real floating"):
+            out[leaf] = xp.astype(out[leaf], a.dtype)
+    return out
 
 
 def per_leaf_sq_norms(per_record: Mapping[str, object], leaves: Sequence[str]):

@@ -131,12 +131,14 @@ class PrivateAggregator:
         self._last_release = -1  # the last step released
         self._enter(self.start_step - 1)
 
-    def _enter(self, step: int) -> None:
-        """Fix the mechanism of step ``step`` (``start_step - 1``: before the first), the
-        groups it releases (with adaptive clipping's counts) and their ledger events."""
+    def _enter(self, step: int, mechanism: Mechanism | None = None) -> None:
+        """Fix the mechanism of step ``step`` (``start_step - 1``: before the first; the
+        policy's, unless given), the groups it releases (with adaptive clipping's counts) and
+        their ledger events."""
+        if mechanism is None:
+            mechanism = self._policy.mechanism(max(step, 0))
         self._step = step
         self._extra_released = set()
-        mechanism = self._policy.mechanism(max(step, 0))
         if mechanism is self._mechanism and not self._policy.count_groups:
             return  # fixed clipping: the same mechanism, groups and events as the last step
         self._mechanism = mechanism
@@ -206,7 +208,9 @@ class PrivateAggregator:
                                                          self.next_noise_multiplier())
 
     def begin_step(self) -> None:
-        """Record that a Poisson sample of rate q was drawn from the n records."""
+        """Record that a Poisson sample of rate q was drawn from the n records (after the
+        step's mechanism is made: a clip it refuses leaves nothing recorded)."""
+        mechanism = self._policy.mechanism(self._step + 1)
         if self.budget is not None:
             z = self.next_noise_multiplier()
             if not self.budget.allows(self.ledger, self.q, z):
@@ -216,7 +220,7 @@ class PrivateAggregator:
                     f"{self._step + 1} steps were taken")
             self.budget.spend(self.q, z)
         self.ledger.write(self._sampling)
-        self._enter(self._step + 1)
+        self._enter(self._step + 1, mechanism)
 
     def sample(self) -> np.ndarray:
         """Draw a Poisson sample (sorted record indices, possibly empty) and begin its step."""
@@ -440,7 +444,8 @@ class PrivateAggregator:
             raise ValueError("noise=False serves the releases of other mechanisms; for the "
                              "aggregator's own, use noise_draws(like, noise=False)")
         factors, sums = self._clipped_sum(per_record, self.mechanism, mask)
-        return self.release_sums(sums, factors=factors, mask=mask)
+        return aggregation.in_record_dtypes(self.release_sums(sums, factors=factors, mask=mask),
+                                            per_record)
 
     def _clipped_sum(self, per_record, mechanism: Mechanism, mask):
         """(clip factors (B, G), clipped sums by leaf) of ``per_record`` under ``mechanism``."""
@@ -474,11 +479,12 @@ class PrivateAggregator:
         if self.budget is not None:
             self._extra_released.add(declared)
         if not noise:
-            return {leaf: total / self.expected_size for leaf, total in sums.items()}
+            return aggregation.in_record_dtypes(
+                {leaf: total / self.expected_size for leaf, total in sums.items()}, per_record)
         self.rng, released = aggregation.noisy_average(
             sums, mechanism, self.rng, self.standard_normal, self.expected_size,
             xp=self.backend.namespace())
-        return released
+        return aggregation.in_record_dtypes(released, per_record)
 
     def _check_other(self, mechanism: Mechanism) -> int | None:
         """Refuse what a release of ``mechanism`` on this step could not price; its index

@@ -66,7 +66,8 @@ def flat(leaves: Sequence[str], clip: float, noise_multiplier: float, *, name: s
     """Flat clipping: all leaves one vector, clipped to ``clip``, noise ``noise_multiplier * clip``."""
     clip = check.positive("clip", clip)
     z = check.non_negative("noise_multiplier", noise_multiplier)
-    return Mechanism((Group(name, tuple(leaves), clip, z * clip),), record, microbatch_size)
+    leaves = (leaves,) if isinstance(leaves, str) else tuple(leaves)  # one leaf, named
+    return Mechanism((Group(name, leaves, clip, z * clip),), record, microbatch_size)
 
 
 def grouped(groups: Mapping[str, Sequence[str]], leaf_sizes: Mapping[str, int], total_clip: float,
@@ -82,6 +83,8 @@ def grouped(groups: Mapping[str, Sequence[str]], leaf_sizes: Mapping[str, int], 
     missing = sorted({leaf for leaves in groups.values() for leaf in leaves} - set(leaf_sizes))
     if missing:
         raise ValueError(f"leaf_sizes lacks the size of leaves {missing}")
+    for leaf, size in leaf_sizes.items():
+        check.count(f"the size of leaf {leaf!r}", size)
     sizes = [sum(leaf_sizes[leaf] for leaf in leaves) for leaves in groups.values()]
     clips = split_clip(total_clip, sizes, clip_split)
     noise = allocate_noise(clips, sizes, noise_multiplier, noise_split)

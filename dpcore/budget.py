@@ -36,7 +36,8 @@ class PrivacyBudget:
             raise ValueError(f"accountant must be 'pld' or 'rdp', got {accountant!r}")
         self.accountant = accountant
         self._credit: list | None = None  # [q, z, steps that fit, steps spent, rounded]
-        self._seen: set | None = None  # the ledger's distinct (q, z)
+        self._seen: set = set()  # the distinct (q, z) of the ledger's finished steps
+        self._read = 0  # the index of the ledger's first event not yet read into _seen
 
     def remaining(self, ledger: Ledger, q: float, noise_multiplier: float, *,
                   rounded: bool = False) -> int:
@@ -56,10 +57,12 @@ class PrivacyBudget:
 
         step = check_step(q, noise_multiplier)
         q, noise_multiplier = step.q, step.noise_multiplier
-        if self._seen is None:  # a resumed ledger's steps count too
-            self._seen = {(s.q, s.noise_multiplier) for s in ledger.steps()}
-        new = (q, noise_multiplier) not in self._seen
-        rounded = len(self._seen) + new > DEFAULT_MAX_GROUPS
+        # the (q, z) the ledger holds, a resumed ledger's too: a step may release fewer
+        # groups than it was priced with (an extra mechanism every other step), and so have
+        # a larger z; the step in progress and this one may each add one more
+        steps, self._read = ledger.steps_from(self._read)
+        self._seen.update((s.q, s.noise_multiplier) for s in steps)
+        rounded = len(self._seen) + 2 > DEFAULT_MAX_GROUPS
         if (not self._covers(q, noise_multiplier) or self._credit[3] >= self._credit[2]
                 or rounded > self._credit[4]):
             fits = self.remaining(ledger, q, noise_multiplier, rounded=rounded)
@@ -73,8 +76,6 @@ class PrivacyBudget:
 
         step = check_step(q, noise_multiplier)
         q, noise_multiplier = step.q, step.noise_multiplier
-        if self._seen is not None:
-            self._seen.add((q, noise_multiplier))
         if self._covers(q, noise_multiplier):
             self._credit[3] += 1
         else:

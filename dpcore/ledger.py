@@ -278,6 +278,14 @@ class Ledger:
         """The ledger reduced to steps (q, z) by Eq. (1), runs of identical steps merged."""
         return merge_steps(_iter_steps(self._events))
 
+    def steps_from(self, start: int) -> tuple[list[Step], int]:
+        """The steps of the events from index ``start`` (a sampling event's, or 0) up to the
+        last sampling event, whose step may still be receiving queries, and that event's
+        index: a reader that keeps the index reads every finished step once."""
+        last = next((i for i in range(len(self._events) - 1, start - 1, -1)
+                     if isinstance(self._events[i], SamplingEvent)), start)
+        return list(_iter_steps(self._events[start:last])), last
+
     def _emit(self, objs: list[dict]) -> None:
         text = "".join(json.dumps(o, allow_nan=False, separators=(",", ":")) + "\n"
                        for o in objs)

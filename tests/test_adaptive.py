@@ -192,3 +192,33 @@ def test_counts_without_noise_do_not_move_the_clips():
 def test_a_negative_number_of_count_groups_is_refused():
     with pytest.raises(ValueError, match="groups must be an integer >= 0, got -1"):
         gradient_noise_multiplier(1.0, 5.0, groups=-1)
+
+
+def test_a_group_whose_records_are_all_zero_keeps_its_clip_above_min_clip():
+    """Every record unclipped, the geometric update shrank the clip by exp(-eta/2) a step,
+    into subnormal floats where clip * z_g kept a few bits: the step's z drifted from 1 to
+    0.966 and the ledger held 273 distinct values."""
+    config = QuantileClipping(learning_rate=5.0)
+    assert update_clip(1e-300, 1.0, config) == config.min_clip
+    agg = PrivateAggregator(per_layer({"w": 4, "dead": 4}, 1.0, 1.0), n=1000, q=0.1, seed=0,
+                            clipping=config)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        rows = len(agg.sample())
+        agg.release({"w": rng.normal(size=(rows, 4)), "dead": np.zeros((rows, 4))})
+    assert agg.mechanism.groups[1].clip == config.min_clip
+    assert {round(s.noise_multiplier, 12) for s in agg.ledger.steps()} == {1.0}
+
+
+def test_a_nan_count_moves_no_clip_and_is_refused():
+    """max(min_clip, NaN) set the linear update's clip to 1e-6; the geometric one stored NaN,
+    refused only at the next sample() with the ledger a sampling event ahead of the step."""
+    for update in ("linear", "geometric"):
+        agg = PrivateAggregator(per_layer({"a": 2, "b": 2}, 1.0, 1.0), n=1000, q=0.1, seed=0,
+                                clipping=QuantileClipping(update=update))
+        clips = list(agg._policy.clips)
+        with pytest.raises(FloatingPointError, match=r"counts \['unclipped_count:b'\] are NaN"):
+            agg.observe_counts({"unclipped_count:a": np.array([0.1]),
+                                "unclipped_count:b": np.array([np.nan])})
+        assert agg._policy.clips == clips
+

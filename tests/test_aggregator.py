@@ -1,5 +1,7 @@
 """PrivateAggregator end to end on the NumPy backend: ledger first, the right noise, exact sums."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -401,3 +403,29 @@ def test_a_unit_of_privacy_mismatch_names_both_units():
     with pytest.raises(ValueError, match=r"the mechanism is for record='example', the ledger "
                                          r"for record='microbatch', microbatch_size=4"):
         agg.release({"m": np.ones((2, 1))}, mechanism=other)
+
+
+def test_a_step_whose_clip_is_refused_records_nothing():
+    """The sampling event was written before the step's mechanism was made: a schedule's
+    bad factor left the ledger a step ahead of the aggregator, one more at every retry."""
+    from dpcore import ClipSchedule
+
+    agg = PrivateAggregator(Mechanism((Group("g", ("x",), 1.0, 1.0),)), n=10, q=0.5,
+                            clipping=ClipSchedule(lambda t: 1.0 if t == 0 else math.nan))
+    agg.begin_step()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="clip schedule factor at step 1 must be a number"):
+            agg.begin_step()
+    assert agg.step == 0 and agg.ledger.events == (SamplingEvent(0.5, 10),)
+
+
+def test_a_float16_record_is_released_within_its_clip():
+    """Norms, factors and sums in float16 released a clipped record at 1.00098 of its clip
+    (float64 oracle); formed in float32, only the output's rounding to float16 remains."""
+    for value, width in ((0.849609375, 3), (0.137451171875, 100)):
+        agg = PrivateAggregator(Mechanism((Group("g", ("x",), 1.0, 0.0),)), n=1, q=1.0)
+        agg.begin_step()
+        out = agg.release({"x": np.full((1, width), value, np.float16)})["x"]
+        assert out.dtype == np.float16
+        assert np.linalg.norm(out.astype(np.float64)) <= 1.0 + 2.0 ** -11
+

@@ -65,3 +65,13 @@ def test_bad_allocation_arguments():
         allocation.split_clip(1.0, [0])
     with pytest.raises(ValueError, match=r"lacks the size of leaves \['x'\]"):
         allocation.grouped({"a": ["x"]}, SIZES, 1.0, 1.0)
+
+
+def test_a_leaf_named_alone_is_one_leaf_and_leaf_sizes_are_counts():
+    """flat("fc.bias", ...) clipped the leaves 'f', 'c', '.', ...; a size of -3 shrank its
+    group's dimension and with it the dimension split's clips."""
+    assert allocation.flat("fc.bias", 1.0, 1.0).leaves == ("fc.bias",)
+    with pytest.raises(ValueError, match=r"the size of leaf 'b' must be an integer >= 0, got -3"):
+        allocation.per_layer({"a": 5, "b": -3, "c": 2}, 1.0, 1.0, clip_split="dimension")
+    with pytest.raises(TypeError, match=r"the size of leaf 'a' must be an integer, got 2.5"):
+        allocation.grouped({"g": ["a"]}, {"a": 2.5}, 1.0, 1.0)

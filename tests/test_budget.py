@@ -77,6 +77,33 @@ def test_a_budget_over_many_distinct_noise_multipliers_ends_within_its_target():
     assert 1.99 < final.epsilon <= 2.0
 
 
+@pytest.mark.parametrize("target", [1.08, 1.1])
+def test_a_budget_counts_the_noise_multipliers_the_ledger_holds(monkeypatch, target):
+    """A metric declared as extra but released every other step: the budget priced every
+    step with it and counted half as many distinct (q, z) as the ledger held, so the ledger
+    crossed the accountant's group limit (and was priced rounded) while the budget priced
+    it exactly: 1.0809 for a target of 1.08 (1.602 for 1.6 at the real limit of 256)."""
+    from dpcore import Group, Mechanism
+    from dpcore.accounting import guarantee, rdp
+    from dpcore.schedules import step_decay
+
+    monkeypatch.setattr(rdp, "DEFAULT_MAX_GROUPS", 16)  # reached in 30 steps, not 500
+    metric = Mechanism((Group("metric", ("m",), clip=1.0, noise_std=50.0),))
+    agg = PrivateAggregator(flat(["x"], clip=1.0, noise_multiplier=1.0009), n=10_000, q=0.01,
+                            budget=PrivacyBudget(target, 1e-5, accountant="rdp"), extra=[metric],
+                            clipping=ClipSchedule(step_decay(every=2, factor=1 - 1e-7),
+                                                  hold="noise_std"), seed=0)
+    with pytest.raises(BudgetExhaustedError):
+        while True:
+            agg.begin_step()
+            agg.release_sums({"x": np.zeros(1)})
+            if agg.step % 2 == 0:
+                agg.release({"m": np.zeros((0, 1))}, mechanism=metric)
+    final = guarantee(agg.ledger, 1e-5, accountant="rdp", max_groups=16)
+    assert final.rounded and len(agg.ledger.steps()) > 16
+    assert final.epsilon <= target
+
+
 def test_an_unknown_accountant_is_refused_when_the_budget_is_made():
     with pytest.raises(ValueError, match="accountant must be 'pld' or 'rdp', got 'prv'"):
         PrivacyBudget(1.0, 1e-5, accountant="prv")
