@@ -64,7 +64,8 @@ class Backend(abc.ABC):
     def poisson_sampler(self, n: int, q: float, *, seed=None) -> PoissonSampler:
         """The sampler this backend's data pipeline draws batches with: Poisson sampling of
         rate ``q`` over ``n`` records (``sample()`` gives sorted indices, possibly none).
-        Backends whose loaders sample differently must still sample this way."""
+        Backends whose loaders sample differently must still sample this way. ``seed`` is an
+        int, a NumPy ``SeedSequence`` (what the aggregator passes) or None (OS entropy)."""
         return PoissonSampler(n, q, seed=seed)
 
     def per_example_grads(self, loss_fn: Callable, params: Mapping[str, Any], batch) -> dict:

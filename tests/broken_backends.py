@@ -202,6 +202,70 @@ class RoundedRateSampler(PoissonSampler):
         return poisson_sample(self.n, 1 / round(1 / self.q), self._rng)
 
 
+class PercentRateSampler(PoissonSampler):
+    """Poisson sampling at q rounded to a whole percentage (exact at 0.1, 0.3, 0.37)."""
+    def sample(self):
+        return poisson_sample(self.n, round(self.q, 2), self._rng)
+
+
+class WindowSampler(PoissonSampler):
+    """Binomial(n, q) records, but a contiguous (circular) run of them from a random start."""
+    def sample(self):
+        size, start = int(self._rng.binomial(self.n, self.q)), int(self._rng.integers(self.n))
+        return np.sort((start + np.arange(size)) % self.n)
+
+
+class IntSeededSampler(PoissonSampler):
+    """Seeded only by an int: a SeedSequence (the aggregator's) or None gives seed 0."""
+    def __init__(self, n, q, *, seed=None):
+        super().__init__(n, q, seed=seed if isinstance(seed, int) else 0)
+
+
+class MirroredNoise(TinyTorchBackend):
+    """The second half of every draw is minus the first (antithetic variates)."""
+    def standard_normal(self, rng, shape, like):
+        size = int(np.prod(shape))
+        rng, half = super().standard_normal(rng, ((size + 1) // 2,), like)
+        return rng, torch.cat([half, -half])[:size].reshape(shape)
+
+
+class RowRepeatedNoise(TinyTorchBackend):
+    """Shaped draws repeat their first row."""
+    def standard_normal(self, rng, shape, like):
+        if len(shape) < 2:
+            return super().standard_normal(rng, shape, like)
+        rng, row = super().standard_normal(rng, tuple(shape[1:]), like)
+        return rng, row.expand(shape).clone()
+
+
+class Float32InFloat64Noise(TinyTorchBackend):
+    """float64 noise drawn in float32 and converted."""
+    def standard_normal(self, rng, shape, like):
+        if like.dtype != torch.float64:
+            return super().standard_normal(rng, shape, like)
+        return rng, torch.randn(shape, generator=rng, dtype=torch.float32).double()
+
+
+class GlobalGenerator(TinyTorchBackend):
+    """Every generator is torch's global one, seeded when made."""
+    def rng(self, seed=None):
+        torch.seed() if seed is None else torch.manual_seed(seed)
+        return None
+
+    def standard_normal(self, rng, shape, like):
+        return rng, torch.randn(shape, dtype=like.dtype)
+
+
+class ChunkMeanGradients(TinyTorchBackend):
+    """Rows in chunks of 16, each given its chunk's mean gradient (exact up to 16 rows)."""
+    def per_example_grads(self, loss_fn, params, batch):
+        grads = super().per_example_grads(loss_fn, params, batch)
+        if batch[0].shape[0] <= 16:
+            return grads
+        return {k: torch.cat([c.mean(dim=0, keepdim=True).expand_as(c) for c in g.split(16)])
+                for k, g in grads.items()}
+
+
 def _sampling(sampler):
     class Sampling(TinyTorchBackend):
         def poisson_sampler(self, n, q, *, seed=None):
@@ -228,6 +292,14 @@ BROKEN = {
     "mask_ignored": MaskIgnored,
     "epoch_sampler": _sampling(EpochSampler),
     "rounded_rate_sampler": _sampling(RoundedRateSampler),
+    "percent_rate_sampler": _sampling(PercentRateSampler),
+    "window_sampler": _sampling(WindowSampler),
+    "int_seeded_sampler": _sampling(IntSeededSampler),
+    "mirrored_noise": MirroredNoise,
+    "row_repeated_noise": RowRepeatedNoise,
+    "float32_in_float64_noise": Float32InFloat64Noise,
+    "global_generator": GlobalGenerator,
+    "chunk_mean_gradients": ChunkMeanGradients,
 }
 
 

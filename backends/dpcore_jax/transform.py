@@ -124,6 +124,7 @@ def _release_fn(aggregator, ledger: _Ledger):
     mechanism = aggregator.mechanism
     expected_size = aggregator.expected_size
     source = NoiseSource(mechanism)
+    salt = None if aggregator.secure else _session_salt(aggregator)
 
     def host_normals(sums):
         """The step's normals from the secure generator, drawn when the program runs."""
@@ -133,11 +134,20 @@ def _release_fn(aggregator, ledger: _Ledger):
                                 ordered=True))
 
     def release(sums, nonfinite, step, key):
+        if (key is None) != aggregator.secure:  # at tracing, before anything is recorded
+            raise ValueError(
+                "this optimizer state holds " + (
+                    "a noise key (made with an aggregator without secure=True), but a secure "
+                    "aggregator draws every step's noise on the host" if key is not None else
+                    "no noise key (made with a secure aggregator), which this aggregator "
+                    "needs") + ": init the state again with this aggregator")
         # the events first; the ledger's index of the step keys the noise, so a state
-        # restored from a checkpoint (its key an earlier step's) never draws a noise twice
+        # restored from a checkpoint (its key an earlier step's) never draws a noise twice,
+        # and the session's salt, so two sessions resuming one state draw apart
         index = io_callback(ledger.record, jax.ShapeDtypeStruct((), jnp.int32), nonfinite,
                             step, ordered=True)
-        noise = host_normals(sums) if key is None else jax.random.fold_in(key, index)
+        noise = (host_normals(sums) if key is None
+                 else jax.random.fold_in(jax.random.fold_in(key, salt), index))
         return noisy_mean(sums, mechanism, noise, expected_size)
 
     return release
@@ -172,6 +182,20 @@ def _refuse_multi_steps(what: str) -> None:
                 f"accumulation_steps=k to dpcore_jax.private_optimizer (with "
                 f"PoissonBatches(..., splits=k))")
         frame = frame.f_back
+
+
+def _session_salt(aggregator) -> int:
+    """A number split off the aggregator's key when a transformation is made, folded into
+    every step's key: the noise of a state's key is then the session's, as the aggregator's
+    own is (a resumed aggregator's key is not the interrupted one's). With the state's key
+    and the ledger's index alone, two sessions resuming one checkpoint (unseeded: a crash
+    and its restart, a sweep's branches) drew the same noise at the same step, which the
+    difference of their releases cancels."""
+    rng, key = jax.random.split(aggregator.rng)
+    refuse_tracers("the private optimizer's construction", rng,
+                   advice="Make it outside jit")
+    aggregator.rng = rng
+    return int(jax.random.randint(key, (), 0, 2 ** 31 - 1))
 
 
 def _split_key(aggregator):

@@ -113,7 +113,11 @@ def _batch_shaped(saved, shapes) -> bool:
     if not (first.shape.rank is not None and first.shape.rank >= 2
             and first.shape.is_fully_defined() and tuple(first.shape) in shapes):
         return False
-    value = tf.get_static_value(first)
+    if first.op.type == "BroadcastTo":  # along axis 0: from fewer axes, or from one row
+        source = first.op.inputs[0].shape
+        if source.rank is not None and (source.rank < first.shape.rank or source[0] == 1):
+            return True
+    value = tf.get_static_value(first)  # a constant TensorFlow can fold
     return value is not None and bool(np.all(value == value[:1]))
 
 

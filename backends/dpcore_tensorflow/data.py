@@ -24,6 +24,7 @@ from dpcore import _validation as check
 from dpcore.sampling import PoissonSampler
 
 _SAMPLINGS = weakref.WeakKeyDictionary()  # dataset of poisson_dataset -> its sampler's (n, q)
+_SEEDED = weakref.WeakSet()  # datasets of poisson_dataset(seed=...)
 # tf.data's transformations that store the elements they pass and replay them when iterated
 # again (.cache(), .snapshot(), tf.data.experimental.snapshot), by class name
 REPLAYING = frozenset({"CacheDataset", "_SnapshotDataset", "_LegacySnapshotDataset"})
@@ -103,6 +104,8 @@ def poisson_dataset(x, y: np.ndarray, *, q: float | None = None, steps: int,
     dataset = tf.data.Dataset.from_generator(samples, output_signature=signature)
     dataset = dataset.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)
     _SAMPLINGS[dataset] = (sampler.n, sampler.q)
+    if seed is not None:
+        _SEEDED.add(dataset)
     return dataset
 
 
@@ -110,6 +113,12 @@ def samplings(dataset: tf.data.Dataset) -> set[tuple[int, float]]:
     """The (n, q) of every :func:`poisson_dataset` that ``dataset`` is made from (found by
     walking back through the datasets' inputs); empty if none."""
     return {_SAMPLINGS[d] for d in _walk(dataset) if d in _SAMPLINGS}
+
+
+def seeded(dataset: tf.data.Dataset) -> bool:
+    """Whether ``dataset`` is made from a :func:`poisson_dataset` of a sampler seeded apart
+    from the aggregator's (``seed=``): every session it is made in draws the same samples."""
+    return any(d in _SEEDED for d in _walk(dataset))
 
 
 def transformations(dataset: tf.data.Dataset, names: frozenset) -> list[str]:

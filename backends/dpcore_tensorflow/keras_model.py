@@ -33,7 +33,7 @@ from dpcore import Mechanism, PrivateAggregator, flat, per_layer
 from dpcore.aggregation import NonFiniteNormError
 
 from .bookkeeping import leaf_names
-from .data import (REGROUPING, REPLAYING, default_capacity, poisson_dataset, samplings,
+from .data import (REGROUPING, REPLAYING, default_capacity, poisson_dataset, samplings, seeded,
                    transformations)
 from .step import PrivateGradients, check_strategy, per_example_loss
 
@@ -326,6 +326,12 @@ class PrivateModel(keras.Model):
                     f"prices as independent. Cache the arrays, not the samples: give the records "
                     f"to poisson_dataset as arrays (it draws fresh samples each pass)")
             agg, found = self.aggregator, samplings(x)
+            if agg.start_step and seeded(x):
+                raise ValueError(
+                    "a resumed run's dataset was made by poisson_dataset(seed=...): a seed of "
+                    "its own draws, in every session, the samples the ledger already prices. "
+                    "Give it sampler=private.aggregator.sampler (whose seed moves on with the "
+                    "ledger), or no seed")
             if found != {(agg.n, agg.q)}:
                 got = (f"samples of (n, q) in {sorted(found)}" if found else
                        "a dataset not made by poisson_dataset")

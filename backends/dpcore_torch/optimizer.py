@@ -325,9 +325,19 @@ class PrivateOptimizer(torch.optim.Optimizer):
         loaded (:meth:`dpcore.PrivateAggregator.load_state_dict`)."""
         state = dict(state_dict)
         ours = state.pop("dpcore", None)
-        if ours is not None:
-            self.aggregator.load_state_dict(ours)
-        self.original_optimizer.load_state_dict(state)
+        if ours is None and self.aggregator.count_groups and self.aggregator.start_step:
+            raise ValueError(
+                "the checkpoint has no 'dpcore' entry (a wrapped optimizer's state_dict): this "
+                "resumed run's adaptive clipping would start again from its first clip. Save "
+                "and load the private optimizer's state_dict(); nothing was loaded")
+        before = self.original_optimizer.state_dict()
+        self.original_optimizer.load_state_dict(state)  # torch checks it: all or nothing
+        try:
+            if ours is not None:
+                self.aggregator.load_state_dict(ours)
+        except BaseException:
+            self.original_optimizer.load_state_dict(before)
+            raise
         # torch makes new group and state objects: share them again (schedulers change ours)
         self.param_groups = self.original_optimizer.param_groups
         self.state = self.original_optimizer.state

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.requires_capability("per_example_grads")
 
 
 @pytest.mark.parametrize("make", PROBLEMS, ids=lambda f: f.__name__)
-@pytest.mark.parametrize("batch", [0, 1, 7])
+@pytest.mark.parametrize("batch", [0, 1, 7, 300])  # 300: past chunks a backend may cut
 def test_per_example_gradients(backend, convert, make, batch):
     problem = make(batch=batch)
     grads = backend.per_example_grads(problem.loss(backend.namespace()), convert(problem.params),

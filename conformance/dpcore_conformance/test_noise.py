@@ -68,6 +68,69 @@ def test_noise_does_not_cycle(big_draw):
         f"generator cycles (period {repeat[1] - repeat[0]}?)")
 
 
+def test_noise_values_are_uncorrelated_within_a_draw(big_draw):
+    """Correlation of the draw with itself shifted by 1, 2 and N/2 values, each within 6
+    standard errors 6/sqrt(N) (0.3%) of 0: values made from their neighbours (correlation
+    0.5 acts like noise of a 1.7 times smaller standard deviation) or a second half that
+    mirrors the first (which cancels in a sum) fail."""
+    bound = 6 / np.sqrt(N)
+    for lag in (1, 2, N // 2):
+        corr = float(np.mean(big_draw[:-lag] * big_draw[lag:]))
+        assert abs(corr) < bound, (
+            f"noise values {lag} apart have correlation {corr:.4f}, expected 0 +- {bound:.4f}")
+
+
+def test_noise_has_the_precision_of_its_dtype(big_draw, request):
+    """Noise drawn in a coarser dtype and converted lies on that dtype's grid, which shows
+    the sum it was added to: float64 noise exactly a float32, float32 noise exactly a float16
+    (bfloat16 values of N(0, 1) draws are float16 values too). A correct generator puts about
+    N 2^-29 (float64) or N 2^-13 = 512 (float32) values there; the bound is 1% of them."""
+    coarser = {"float64": np.float32, "float32": np.float16}.get(request.node.callspec.params[
+        "big_draw"])
+    if coarser is None:
+        pytest.skip("no coarser dtype to check float16 noise against")
+    with np.errstate(over="ignore"):
+        on_grid = float(np.mean(big_draw.astype(coarser).astype(np.float64) == big_draw))
+    assert on_grid < 0.01, (
+        f"{on_grid:.1%} of the noise values are exactly {np.dtype(coarser).name} values: the "
+        f"noise was drawn in a coarser dtype than its own")
+
+
+def test_generators_keep_streams_of_their_own(backend, convert):
+    """Two generators drawn from in turn give what each gives alone: a generator that keeps
+    its state in the framework's global one (re-seeding it) is disturbed by any other draw,
+    and by the user's own global seeding."""
+    def alone(seed):
+        rng, out = backend.rng(seed), []
+        for _ in range(3):
+            rng, noise = backend.standard_normal(rng, (100,), convert(np.zeros(1)))
+            out.append(convert.numpy(noise))
+        return out
+
+    rngs, turns = [backend.rng(21), backend.rng(22)], {21: [], 22: []}
+    for _ in range(3):
+        for k, seed in enumerate((21, 22)):
+            rngs[k], noise = backend.standard_normal(rngs[k], (100,), convert(np.zeros(1)))
+            turns[seed].append(convert.numpy(noise))
+    for seed in (21, 22):
+        np.testing.assert_array_equal(np.concatenate(turns[seed]), np.concatenate(alone(seed)),
+                                      err_msg=f"generator {seed} drew otherwise while another "
+                                      f"generator drew in turn with it")
+
+
+def test_shaped_draws_have_the_law_in_every_row(backend, convert):
+    """A (512, 512) draw (the core draws shaped arrays for large leaves): standard deviation
+    within 7 standard errors (0.97%), no two rows equal, rows uncorrelated (6/sqrt(512))."""
+    _, noise = backend.standard_normal(backend.rng(31), (512, 512), convert(np.zeros((1, 1))))
+    rows = convert.numpy(noise).reshape(512, 512)
+    assert abs(rows.std() - 1) < 7 / np.sqrt(2 * rows.size), (
+        f"a (512, 512) draw has standard deviation {rows.std():.4f}")
+    assert np.unique(rows, axis=0).shape[0] == 512, "rows of a shaped draw repeat"
+    corr = float(np.mean(rows[:-1] * rows[1:]))
+    assert abs(corr) < 6 / np.sqrt(rows.size), (
+        f"neighbouring rows of a shaped draw have correlation {corr:.4f}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_noise_has_the_requested_shape_dtype_and_device(backend, dtype):
     convert = converter(backend, dtype)

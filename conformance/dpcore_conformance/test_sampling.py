@@ -56,13 +56,26 @@ def test_consecutive_batches_are_independent(backend):
         f"{bound:.0f}: batches are not drawn independently")
 
 
-@pytest.mark.parametrize("q", [0.3, 0.37])
-def test_the_sampling_rate_is_q(backend, q):
-    """Mean batch size of 500 samples of 1000 records, within 6 standard errors
-    sqrt(1000 q (1 - q) / 500) (about 0.13% of q n) of q n: a rate rounded to 1/round(1/q) is
-    10% off."""
-    sizes = np.array([s.size for s in draws(backend, 5, n=1000, q=q, count=500)])
-    se = np.sqrt(1000 * q * (1 - q) / 500)
+def test_records_are_sampled_independently_of_each_other(backend):
+    """Neighbouring records i and i + 1 are in a batch together with probability Q^2: over
+    DRAWS batches the count of such pairs has mean DRAWS (N - 1) Q^2 = 1960 and standard
+    deviation 48 (overlapping pairs included); the tolerance is 6 of them. A contiguous run of
+    records (a window at a random start) gives about 8 times as many."""
+    pairs = sum(int(np.sum(np.diff(s) == 1)) for s in draws(backend, 13))
+    mean = DRAWS * (N - 1) * Q ** 2
+    sd = np.sqrt(DRAWS * ((N - 1) * Q ** 2 * (1 - Q ** 2) + 2 * (N - 2) * (Q ** 3 - Q ** 4)))
+    assert abs(pairs - mean) < 6 * sd, (
+        f"neighbouring records were sampled together {pairs} times, expected {mean:.0f} +- "
+        f"{6 * sd:.0f}: records are not sampled independently")
+
+
+@pytest.mark.parametrize("q, count", [(0.3, 500), (0.37, 500), (0.016, 2000)])
+def test_the_sampling_rate_is_q(backend, q, count):
+    """Mean batch size of ``count`` samples of 1000 records, within 6 standard errors
+    sqrt(1000 q (1 - q) / count) (0.13% of q n at q = 0.3, 3.3% at q = 0.016) of q n: a rate
+    rounded to 1/round(1/q) is 10% off, 0.016 rounded to 0.02 25%."""
+    sizes = np.array([s.size for s in draws(backend, 5, n=1000, q=q, count=count)])
+    se = np.sqrt(1000 * q * (1 - q) / count)
     assert abs(sizes.mean() - 1000 * q) < 6 * se, (
         f"mean batch size {sizes.mean():.2f} at q = {q}, n = 1000, expected {1000 * q:.0f} "
         f"+- {6 * se:.2f}")
@@ -79,3 +92,18 @@ def test_sampler_seeds_reproduce_and_differ(backend):
 
     assert run(5) == run(5), "two samplers with seed 5 drew different batches"
     assert run(5) != run(6), "samplers with seeds 5 and 6 drew the same batches"
+
+
+def test_sampler_seeds_of_the_aggregator_reproduce_and_differ(backend):
+    """The aggregator passes a NumPy SeedSequence (spawned from its seed, or from OS entropy
+    when it has none): a sampler that seeds itself only from an int fell back to a fixed
+    default, and every unseeded run drew the same batches."""
+    def run(seed):
+        return [s.tolist() for s in draws(backend, seed, count=30)]
+
+    sequence = np.random.SeedSequence
+    assert run(sequence(5)) == run(sequence(5)), "SeedSequence(5) twice drew different batches"
+    assert run(sequence(5)) != run(sequence(6)), "SeedSequences 5 and 6 drew the same batches"
+    assert run(None) != run(None), "two unseeded samplers drew the same batches"
+    assert run(sequence()) != run(sequence()), (
+        "two samplers seeded from OS entropy (SeedSequence()) drew the same batches")

@@ -310,6 +310,40 @@ def test_an_optax_state_restored_from_a_checkpoint_draws_new_noise():
     assert np.abs(np.corrcoef(again, noises[1])[0, 1]) < 0.15  # and independent of step 1's
 
 
+def test_two_sessions_resuming_one_optax_state_draw_different_noise():
+    """Unseeded, the noise was a function of the state's key and the ledger's index alone:
+    two sessions resuming one checkpoint (a crash and its restart, a sweep's branches) drew
+    the same noise at the same step, and the difference of their releases was noise-free."""
+    mechanism = dpcore.flat(["w"], 1.0, 1.0)
+    zeros = dpcore_jax.ClippedSums({"w": jnp.zeros(1000)}, jnp.zeros((), jnp.int32))
+    state = private_aggregate(aggregator(mechanism, n=100, q=0.1)).init({"w": jnp.zeros(1000)})
+    releases = []
+    for _ in range(2):  # each session: its aggregator (OS entropy), its ledger at step 0
+        agg = aggregator(mechanism, n=100, q=0.1)
+        opt = private_aggregate(agg)
+        agg.begin_step()
+        releases.append(np.asarray(opt.update(zeros, state)[0]["w"]))
+    assert np.abs(np.corrcoef(*releases)[0, 1]) < 0.15
+
+
+@pytest.mark.parametrize("made_secure", [False, True])
+def test_a_state_made_for_the_other_kind_of_aggregator_is_refused(made_secure):
+    """A state holding a key, restored under a secure aggregator, drew its noise from that
+    key (predictable from the checkpoint) instead of the host's secure generator."""
+    mechanism = dpcore.flat(["w"], 1.0, 1.0)
+    made = (aggregator(mechanism, n=100, q=0.1, secure=True) if made_secure
+            else aggregator(mechanism, n=100, q=0.1, seed=1))
+    state = private_aggregate(made).init({"w": jnp.zeros(10)})
+    agg = (aggregator(mechanism, n=100, q=0.1, seed=1) if made_secure
+           else aggregator(mechanism, n=100, q=0.1, secure=True))
+    opt = private_aggregate(agg)
+    agg.begin_step()
+    zeros = dpcore_jax.ClippedSums({"w": jnp.zeros(10)}, jnp.zeros((), jnp.int32))
+    with pytest.raises(ValueError, match="init the state again with this aggregator"):
+        opt.update(zeros, state)
+    assert agg.ledger.events == (SamplingEvent(0.1, 100),)
+
+
 @pytest.mark.parametrize("secure", [False, True])
 def test_optax_transformation_adds_noise_once_per_logical_batch(secure, record_normals):
     """Also with a secure aggregator, whose normals the compiled update fetches from the host
@@ -536,9 +570,9 @@ def test_the_optax_init_inside_jit_is_refused():
     rng = np.random.default_rng(11)
     _, params = models.model(rng, "logistic")
     agg = aggregator(dpcore.flat(["b", "w"], 1.0, 1.0), n=80, q=0.1, seed=0)
-    key = agg.rng
     for k in (1, 3):
         opt = private_optimizer(optax.sgd(0.1), agg, accumulation_steps=k)
+        key = agg.rng  # after the salt the optimizer split off it
         with pytest.raises(RuntimeError, match="init outside jit"):
             jax.jit(opt.init)(params)
         assert agg.rng is key
@@ -555,9 +589,9 @@ def test_optax_multi_steps_around_the_private_optimizer_is_refused(k):
     _, params = wide_model(rng)
     agg = aggregator(dpcore.flat(["b", "w"], 1.0, 1.0), n=400, q=0.1, seed=0,
                      on_nonfinite="drop")
-    key = agg.rng
     opt = optax.MultiSteps(private_optimizer(optax.sgd(1.0), agg, accumulation_steps=k),
                            every_k_schedule=4)
+    key = agg.rng  # after the salt the optimizer split off it
     with pytest.raises(TypeError, match="wrapped in optax.MultiSteps.*accumulation_steps=k"):
         opt.init(params)
     assert agg.rng is key and agg.ledger.events == ()

@@ -717,3 +717,26 @@ def test_a_trainable_set_changed_since_make_private_is_refused(frozen_at_make_pr
                                          rf"\['\S*d1/bias', '\S*d1/kernel'\].*make_private again"):
         private.fit(x, y, verbose=0)
     assert len(private.aggregator.ledger.events) == 0
+
+
+def test_a_resumed_fit_refuses_a_dataset_seeded_apart_from_the_aggregator(tmp_path):
+    """poisson_dataset(seed=7) drew, in the resumed session, the very samples of the first;
+    the ledger priced the repeats as fresh Poisson samples."""
+    n, q, path = 32, 0.25, tmp_path / "run.jsonl"
+    x, y = np.arange(n, dtype="float32")[:, None], np.zeros((n, 1), "float32")
+    for session in range(2):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((1,)), L.Dense(1)])
+        private = make_private(model, n=n, q=q, noise_multiplier=1.0, ledger=path,
+                               check_independence=False)
+        private.compile(optimizer="sgd", loss="mse")
+        data = poisson_dataset(x, y, q=q, seed=7, steps=3)
+        if session == 0:
+            private.fit(data, epochs=1, verbose=0)
+        else:
+            with pytest.raises(ValueError, match=r"poisson_dataset\(seed=...\)"):
+                private.fit(data, epochs=1, verbose=0)
+            private.fit(poisson_dataset(x, y, sampler=private.aggregator.sampler, steps=3),
+                        epochs=1, verbose=0)
+        private.aggregator.ledger.close()
+    assert dpcore.read_ledger(path).samplings == 6

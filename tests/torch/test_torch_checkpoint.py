@@ -83,3 +83,34 @@ def test_plain_optimizer_states_load_either_way():
     plain.load_state_dict(opt.state_dict())
     assert plain.state_dict()["state"].keys() == opt.original_optimizer.state_dict()["state"].keys()
     opt.load_state_dict(plain.state_dict())
+
+
+def test_a_resumed_adaptive_run_refuses_a_plain_optimizer_state(tmp_path):
+    """Without the 'dpcore' entry, adaptive clipping started again from max_grad_norm (0.05,
+    not the run's 0.0598), silently."""
+    path = tmp_path / "run.jsonl"
+    model, opt, loader = private(path, seed=0)
+    train(model, opt, loader, 3)
+    plain = opt.original_optimizer.state_dict()
+    opt.ledger.close()
+    model, opt, loader = private(path, seed=0)
+    with pytest.raises(ValueError, match="no 'dpcore' entry .* adaptive clipping"):
+        opt.load_state_dict(plain)
+    assert not opt.state
+    opt.ledger.close()
+
+
+def test_a_checkpoint_torch_refuses_loads_nothing_of_the_aggregator(tmp_path):
+    """torch refused the optimizer's part after the aggregator's had been loaded: the clip
+    was the checkpoint's."""
+    path = tmp_path / "run.jsonl"
+    model, opt, loader = private(path, seed=0)
+    train(model, opt, loader, 3)
+    state = opt.state_dict()
+    opt.ledger.close()
+    state["param_groups"][0]["params"] = state["param_groups"][0]["params"][:2]  # not ours
+    model, fresh, loader = private(path, seed=0)
+    with pytest.raises(ValueError):
+        fresh.load_state_dict(state)
+    assert fresh.aggregator.mechanism.groups[0].clip == 0.05 and not fresh.state
+    fresh.ledger.close()
