@@ -85,6 +85,8 @@ def poisson_dataset(x, y: np.ndarray, *, q: float | None = None, steps: int,
         if q is None:
             raise ValueError("give the sampling rate q or a sampler")
         sampler = PoissonSampler(n, q, seed=seed)
+    elif seed is not None:
+        raise ValueError("give seed or sampler, not both: a given sampler is already seeded")
     elif sampler.n != n or (q is not None and q != sampler.q):
         raise ValueError(f"the sampler draws from n={sampler.n} records at q={sampler.q}; the "
                          f"data has n={n} records" + ("" if q is None else f" and q={q}"))

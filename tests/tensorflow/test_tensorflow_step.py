@@ -740,3 +740,5 @@ def test_a_resumed_fit_refuses_a_dataset_seeded_apart_from_the_aggregator(tmp_pa
                         epochs=1, verbose=0)
         private.aggregator.ledger.close()
     assert dpcore.read_ledger(path).samplings == 6
+    with pytest.raises(ValueError, match="give seed or sampler, not both"):  # seed was ignored
+        poisson_dataset(x, y, sampler=dpcore.PoissonSampler(n, q), seed=7, steps=3)
