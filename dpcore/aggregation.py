@@ -57,6 +57,15 @@ def check_mask(mask, rows: int, xp) -> None:
                          f"{bad[:5]}{' ...' if len(bad) > 5 else ''}")
 
 
+def check_mask_values(mask) -> None:
+    """:func:`check_mask`'s values, for a mask given on the host as anything NumPy reads: a
+    backend's compiled step reads it as booleans (a NaN or 0.5 as True, sample weights as
+    whole records) and checks its shape itself."""
+    mask = np.asarray(mask)
+    if mask.ndim == 1 and mask.dtype != bool:
+        check_mask(mask, mask.shape[0], np)
+
+
 def _flat(x, xp, batch: int):
     return xp.reshape(x, (batch, math.prod(x.shape[1:])))
 

@@ -22,11 +22,11 @@ from typing import Callable, Mapping
 import numpy as np
 import tensorflow as tf
 
-from dpcore.aggregation import NonFiniteNormError
+from dpcore.aggregation import NonFiniteNormError, check_mask_values
 from dpcore.backend import GHOST_NORMS, JIT, PER_EXAMPLE_GRADS, Backend
 
 from . import vectorized
-from .kernels import GroupClipper, check_host_mask, clips_of
+from .kernels import GroupClipper, clips_of
 from .namespace import namespace
 
 
@@ -116,7 +116,7 @@ class TensorFlowBackend(Backend):
             return aggregator.release_sums({k: tf.zeros_like(v) for k, v in zip(names, values)},
                                            factors=factors)
         if mask is not None:
-            check_host_mask(mask)
+            check_mask_values(mask)
         mask = (tf.ones([size], tf.bool) if mask is None
                 else tf.cast(tf.reshape(tf.convert_to_tensor(mask), [size]), tf.bool))
         clipper = GroupClipper(mechanism, names)

@@ -20,10 +20,9 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-import numpy as np
 import tensorflow as tf
 
-from dpcore.aggregation import check_mask, group_weights, leaf_noise_stds
+from dpcore.aggregation import group_weights, leaf_noise_stds
 from dpcore.queries import Mechanism
 
 from .layer_grads import in_xla
@@ -123,11 +122,3 @@ def noisy_mean(sums: Mapping[str, tf.Tensor], leaves: Sequence[str], stds: tf.Te
         z, scale = tf.cast(tf.reshape(z, total.shape), total.dtype), tf.cast(scale, total.dtype)
         out[leaf] = total / expected_size + scale * z
     return out
-
-
-def check_host_mask(mask) -> None:
-    """Refuse an eager mask holding other values than booleans or 0/1: the step reads it as
-    booleans, a NaN or 0.5 as True (sample weights would count as whole records)."""
-    mask = np.asarray(mask)
-    if mask.ndim == 1 and mask.dtype != bool:  # the step checks the shape
-        check_mask(mask, mask.shape[0], np)

@@ -24,12 +24,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from dpcore.aggregation import NonFiniteNormError
+from dpcore.aggregation import NonFiniteNormError, check_mask_values
 
 from .bookkeeping import ClippedGradients
 from .independence import IndependenceCheck
-from .kernels import (GroupClipper, check_host_mask, clips_of, leaf_stds_of, noisy_mean,
-                      structure)
+from .kernels import GroupClipper, clips_of, leaf_stds_of, noisy_mean, structure
 
 
 def per_example_loss(loss) -> Callable:
@@ -214,7 +213,7 @@ class PrivateGradients:
                 f"(strategy.run) with the results added up")
         if mask is None:
             mask = tf.ones([tf.shape(tf.nest.flatten(x)[0])[0]], tf.bool)
-        check_host_mask(mask)
+        check_mask_values(mask)
         self.check(x, y, mask)
         inputs = self.record_step()
         if inputs != self._tensors[0]:
