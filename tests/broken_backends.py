@@ -131,6 +131,40 @@ class LaplaceNoise(FusedStep):
         return out
 
 
+class OneValueLeavesShort(FusedStep):
+    """One-value leaves (scalar biases) get 0.9x their noise."""
+    def noise(self, aggregator, sums, records):
+        return {leaf: z if z.numel() > 1 else 0.9 * z
+                for leaf, z in super().noise(aggregator, sums, records).items()}
+
+
+class TiledLeafNoise(FusedStep):
+    """A leaf's noise is one draw of at most 8,192 values, tiled over the leaf (a key reused
+    for each chunk of a large leaf)."""
+    def noise(self, aggregator, sums, records):
+        out = {}
+        for leaf, total in sums.items():
+            aggregator.rng, block = aggregator.standard_normal(
+                aggregator.rng, (min(total.numel(), 8192),), total)
+            out[leaf] = block.repeat(-(-total.numel() // 8192))[:total.numel()].reshape(
+                total.shape)
+        return out
+
+
+class SecureIgnored(FusedStep):
+    """A secure aggregator's noise from a generator of its own, seeded once (the CSPRNG's
+    draws are never taken)."""
+    fallback = None
+
+    def noise(self, aggregator, sums, records):
+        if not aggregator.secure:
+            return super().noise(aggregator, sums, records)
+        if self.fallback is None:
+            self.fallback = torch.Generator().manual_seed(7)
+        return {leaf: torch.randn(tuple(total.shape), generator=self.fallback,
+                                  dtype=total.dtype) for leaf, total in sums.items()}
+
+
 class NoiseRing(TinyTorchBackend):
     """Five draws per generator and shape, handed out in turn and never refilled."""
     def __init__(self):
@@ -284,6 +318,9 @@ BROKEN = {
     "small_leaves_unnoised": SmallLeavesUnnoised,
     "groups_share_noise": GroupsShareNoise,
     "laplace_noise": LaplaceNoise,
+    "one_value_leaves_short": OneValueLeavesShort,
+    "tiled_leaf_noise": TiledLeafNoise,
+    "secure_ignored": SecureIgnored,
     "noise_ring": NoiseRing,
     "shared_noise_buffer": SharedNoiseBuffer,
     "truncated_noise": TruncatedNoise,

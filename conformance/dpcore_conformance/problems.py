@@ -100,4 +100,31 @@ def tanh_mlp(batch: int = 8, dim: int = 4, hidden: int = 6, seed: int = 2) -> Pr
     return Problem("tanh_mlp", params, (x, y), loss, grads)
 
 
-PROBLEMS = (linear_regression, logistic_regression, tanh_mlp)
+def scalar_leaves(batch: int = 8, leaves: int = 48, seed: int = 3) -> Problem:
+    """One-value leaves, alternately of shape () and (1,): s_i = sum_k x_ik w_k,
+    loss_i = (s_i - y_i)^2 / 2; grad_{w_k} = (s_i - y_i) x_ik."""
+    rng = np.random.default_rng(seed)
+    params = {f"w{k:02d}": rng.normal(size=() if k % 2 == 0 else (1,)) / np.sqrt(leaves)
+              for k in range(leaves)}
+    x = rng.normal(size=(batch, leaves))
+    y = rng.normal(size=batch)
+
+    def loss(xp):
+        def loss_fn(p, data):
+            x, y = data
+            r = -y
+            for k, w in enumerate(p.values()):
+                r = r + x[:, k] * w
+            return 0.5 * r * r
+        return loss_fn
+
+    def grads(p, data):
+        x, y = data
+        r = sum(x[:, k] * w for k, w in enumerate(p.values())).reshape(-1) - y
+        return {leaf: (r * x[:, k]).reshape(-1, *np.shape(w))
+                for k, (leaf, w) in enumerate(p.items())}
+
+    return Problem("scalar_leaves", params, (x, y), loss, grads)
+
+
+PROBLEMS = (linear_regression, logistic_regression, tanh_mlp, scalar_leaves)

@@ -15,9 +15,9 @@ from scipy import stats
 from dpcore import Group, Mechanism, PrivateAggregator
 from dpcore.ledger import SamplingEvent, SumQueryEvent
 
-from .checks import ks_normal
+from .checks import ks_normal, repeated_run
 from .plugin import converter
-from .problems import tanh_mlp
+from .problems import scalar_leaves, tanh_mlp
 
 pytestmark = pytest.mark.requires_capability("per_example_grads")
 
@@ -108,6 +108,7 @@ class NoiseRun:
     outs: list
     z: dict
     first_kept: bool  # the first step's release was unchanged after the last step
+    secure_draws: list | None  # secure: the N(0, 1) values the system's generator gave a step
 
 
 @pytest.fixture(scope="module", params=[("float32", False), ("float32", True),
@@ -115,15 +116,31 @@ class NoiseRun:
                 ids=["float32", "float32-secure", "float64"])
 def noise_run(request, backend):
     dtype, secure = request.param
-    return run_steps(backend, converter(backend, dtype), secure)
+    return run_steps(backend, converter(backend, dtype), tanh_mlp(batch=8, dim=50, hidden=200,
+                                                                  seed=8), mechanism, secure)
 
 
-def run_steps(backend, convert, secure, seed=0):
+def scalar_mechanism(noise=(1.5, 2.0)):
+    """Even leaves of :func:`scalar_leaves` clipped one by one, odd ones jointly (scales 1
+    and 0.5 in turn)."""
+    leaves = list(scalar_leaves().params)
+    odd = leaves[1::2]
+    return Mechanism((Group("even", tuple(leaves[::2]), 1.0, noise[0]),
+                      Group("odd", tuple(odd), 0.5, noise[1],
+                            scales=tuple(1.0 if k % 2 else 0.5 for k in range(len(odd))))))
+
+
+@pytest.fixture(scope="module")
+def scalar_noise_run(backend, convert):
+    return run_steps(backend, convert, scalar_leaves(batch=8, seed=9), scalar_mechanism, False)
+
+
+def run_steps(backend, convert, problem, mechanism, secure, seed=0):
     """STEPS steps, alternately on an empty batch (legal under Poisson sampling: the output
     is pure noise) and on a fixed batch of 8 records, whose noise is the output less the
-    backend's own noise-free output for it. ``secure``: the noise is the system's CSPRNG's
-    (unseeded), which the backend must add as it adds its own generator's."""
-    problem = tanh_mlp(batch=8, dim=50, hidden=200, seed=8)
+    backend's own noise-free output for it. ``mechanism(noise)`` makes the mechanism.
+    ``secure``: the noise is the system's CSPRNG's (unseeded), which the backend must add as
+    it adds its own generator's; its draws are recorded as the generator hands them out."""
     empty = problem.take(np.arange(0))
     loss_fn = problem.loss(backend.namespace())
     params = convert(problem.params)
@@ -134,10 +151,14 @@ def run_steps(backend, convert, secure, seed=0):
     noise_free = convert.numpy(backend.private_gradient(loss_fn, params, batches[1], exact))
     agg = PrivateAggregator(mechanism(), n=N_RECORDS, q=RATE, backend=backend,
                             seed=None if secure else seed, secure=secure)
-    outs = []
+    drawn = record_secure_draws(agg) if secure else None
+    outs, secure_draws = [], [] if secure else None
     for t in range(STEPS):
         agg.begin_step()
+        before = len(drawn) if secure else 0
         released = backend.private_gradient(loss_fn, params, batches[t % 2], agg)
+        if secure:
+            secure_draws.append(np.concatenate(drawn[before:] or [np.zeros(0)]))
         if t == 0:
             first = released  # kept, as a caller may keep a release
         outs.append(convert.numpy(released))
@@ -149,7 +170,22 @@ def run_steps(backend, convert, secure, seed=0):
             z[leaf] = np.stack([(o[leaf] - (noise_free[leaf] if t % 2 else 0)).ravel()
                                 for t, o in enumerate(outs)]) * agg.expected_size / want
     kept = convert.numpy(first)
-    return NoiseRun(outs, z, all(np.array_equal(kept[k], outs[0][k]) for k in kept))
+    return NoiseRun(outs, z, all(np.array_equal(kept[k], outs[0][k]) for k in kept),
+                    secure_draws)
+
+
+def record_secure_draws(aggregator) -> list:
+    """The list the secure ``aggregator``'s generator appends each draw of N(0, 1) values to
+    as it hands them out."""
+    draws, draw = [], aggregator.rng.standard_normal
+
+    def recorded(size):
+        values = draw(size)
+        draws.append(np.array(values, dtype=np.float64))  # a copy: the backend may scale its own
+        return values
+
+    aggregator.rng.standard_normal = recorded
+    return draws
 
 
 def test_step_noise_has_the_standard_deviation_the_ledger_records(noise_run):
@@ -188,6 +224,52 @@ def test_step_noise_is_normal(noise_run):
     distance, p = ks_normal(z)
     assert p > 1e-6, (f"step noise is not Gaussian: Kolmogorov-Smirnov distance {distance:.5f} "
                       f"in {z.size} values, p = {p:.2g} (required > 1e-6)")
+
+
+def test_one_value_leaves_get_the_noise_the_ledger_records(scalar_noise_run):
+    """Pooled over the 48 one-value leaves of :func:`scalar_leaves` (shapes () and (1,), in
+    a separate and a joint group), the sum of squared normalised noise values is chi-square
+    with 2,880 degrees of freedom, two-sided p > 1e-6 (0.9x the noise: p ~ 1e-12), and the
+    mean is 0 within 6 standard errors."""
+    z = np.concatenate([z.ravel() for z in scalar_noise_run.z.values()])
+    statistic = np.sum(z ** 2)
+    p = 2 * min(stats.chi2.cdf(statistic, z.size), stats.chi2.sf(statistic, z.size))
+    assert p > 1e-6, (
+        f"noise on one-value leaves has variance {statistic / z.size:.4f} x what the ledger "
+        f"records over {z.size} values (chi-square, two-sided p = {p:.2g})")
+    assert abs(z.mean()) < 6 / np.sqrt(z.size), (
+        f"noise on one-value leaves has mean {z.mean():.4f} x the ledger's std, expected 0 +- "
+        f"{6 / np.sqrt(z.size):.4f}")
+
+
+def test_secure_steps_add_the_secure_generators_draws(noise_run):
+    """With ``secure=True`` each step's noise (in the ledger's units) is the N(0, 1) values
+    the aggregator's secure generator handed out for that step: at least 99% of the 10,401
+    values lie within 1e-5 of one of them (float32 rounding is ~1e-7 here; noise from any
+    other generator matches by chance about 6% of the time)."""
+    if noise_run.secure_draws is None:
+        pytest.skip("the run's aggregator is not secure")
+    for t, drawn in enumerate(noise_run.secure_draws):
+        z = np.concatenate([noise_run.z[leaf][t] for leaf in noise_run.z])
+        edges = np.concatenate([[-np.inf], np.sort(drawn), [np.inf]])
+        at = np.searchsorted(edges, z)  # edges[at - 1] < z <= edges[at]
+        matched = np.mean(np.minimum(z - edges[at - 1], edges[at] - z) < 1e-5)
+        assert matched >= 0.99, (
+            f"step {t} of a secure aggregator released noise of which {matched:.1%} is the "
+            f"{drawn.size} values its secure generator drew (expected all): the noise came "
+            f"from another generator")
+
+
+def test_no_noise_values_repeat_in_the_releases(noise_run):
+    """In the pure-noise releases (the empty batches' 30 x 10,401 values, leaves in order),
+    no run of 8 consecutive values occurs twice: a key or buffer reused for parts of a leaf,
+    for two leaves or for two steps repeats runs exactly."""
+    x = np.concatenate([np.concatenate([out[leaf].ravel() for leaf in noise_run.z])
+                        for out in noise_run.outs[::2]])
+    repeat = repeated_run(x, 8)
+    assert repeat is None, (
+        f"the pure-noise releases repeat {x[repeat[0]:repeat[0] + 8]} at positions {repeat[0]} "
+        f"and {repeat[1]} of {x.size} (leaves concatenated in order, step by step)")
 
 
 def test_fresh_noise_at_every_step(noise_run):
