@@ -26,7 +26,7 @@ from dpcore.aggregation import NonFiniteNormError, check_mask_values
 from dpcore.backend import GHOST_NORMS, JIT, PER_EXAMPLE_GRADS, Backend
 
 from . import vectorized
-from .kernels import GroupClipper, clips_of
+from .kernels import GroupClipper, clips_of, refuse_16_bit
 from .namespace import namespace
 
 
@@ -108,6 +108,7 @@ class TensorFlowBackend(Backend):
         the host through ``aggregator.release_sums`` (sum-query events written first)."""
         names, values = self._params(params)
         aggregator.mechanism.check_leaves(names)
+        refuse_16_bit(names, values)
         batch = tf.nest.map_structure(tf.convert_to_tensor, batch)
         size = vectorized.batch_size(batch)
         mechanism = aggregator.mechanism

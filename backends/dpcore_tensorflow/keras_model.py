@@ -35,6 +35,7 @@ from dpcore.aggregation import NonFiniteNormError
 from .bookkeeping import leaf_names
 from .data import (REGROUPING, REPLAYING, default_capacity, poisson_dataset, samplings, seeded,
                    transformations)
+from .kernels import refuse_16_bit
 from .step import PrivateGradients, check_strategy, per_example_loss
 
 CLIPPINGS = ("flat", "per_layer")
@@ -449,6 +450,7 @@ def make_private(model: keras.Model, *, n: int, batch_size: float | None = None,
     if not model.built:
         raise ValueError(f"model {model.name!r} is not built; call it on a batch or give it an "
                          f"Input first, so its variables exist")
+    refuse_16_bit(leaf_names(model), model.trainable_variables)
     q = batch_size / n if q is None else q
     mechanism = build_mechanism(model, clipping, max_grad_norm, noise_multiplier)
     aggregator = PrivateAggregator(mechanism, n=n, q=q, backend="tensorflow", ledger=ledger,

@@ -90,6 +90,21 @@ def standard_normal(generator: tf.random.Generator, n: int, dtype=tf.float32) ->
     return tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], 0)[:n]
 
 
+def refuse_16_bit(names: Sequence[str], tensors: Sequence) -> None:
+    """Refuse float16 and bfloat16 parameters (variables or tensors): their clipped sums and
+    noise would be formed and rounded in that dtype, and a rounded sum of many records moves
+    by more than the clip when one record leaves it (1.6 clips for a batch of 512 in
+    bfloat16)."""
+    for name, t in zip(names, tensors):
+        dtype = tf.as_dtype(t.dtype)  # Keras variables name theirs
+        if dtype in (tf.bfloat16, tf.float16):
+            raise ValueError(
+                f"parameter {name!r} is {dtype.name}: its clipped sum would be rounded to "
+                f"{dtype.name} before the noise, and one record could move it by more than "
+                f"its clip. Keep the variables in float32 and compute in 16 bits with "
+                f"keras.mixed_precision.set_global_policy('mixed_{dtype.name}')")
+
+
 def noisy_mean(sums: Mapping[str, tf.Tensor], leaves: Sequence[str], stds: tf.Tensor,
                noise: tf.random.Generator | tf.Tensor,
                expected_size: float, first=None) -> dict[str, tf.Tensor]:

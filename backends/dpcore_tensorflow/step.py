@@ -28,7 +28,8 @@ from dpcore.aggregation import NonFiniteNormError, check_mask_values
 
 from .bookkeeping import ClippedGradients
 from .independence import IndependenceCheck
-from .kernels import GroupClipper, clips_of, leaf_stds_of, noisy_mean, structure
+from .kernels import (GroupClipper, clips_of, leaf_stds_of, noisy_mean, refuse_16_bit,
+                      structure)
 
 
 def per_example_loss(loss) -> Callable:
@@ -87,6 +88,8 @@ class PrivateGradients:
 
     def __init__(self, model: keras.Model, loss, aggregator, *, mode: str = "auto",
                  jit_compile: bool = False, check_independence: bool = True):
+        variables = model.trainable_variables
+        refuse_16_bit([v.path for v in variables], variables)
         self.engine = ClippedGradients(model, mode)
         self.loss_fn = per_example_loss(loss)
         # the vectorized mode differentiates each example alone: per example by construction

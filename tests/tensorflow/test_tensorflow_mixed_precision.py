@@ -91,3 +91,26 @@ def test_mixed_float16_updates_are_not_divided_by_a_loss_scale():
         keras.mixed_precision.set_global_policy(previous)
     step = -net.get_weights()[0].ravel() * 16
     np.testing.assert_allclose(step, (-2 * x * y).sum(0), rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_variables_are_refused(dtype):
+    """A 16-bit variable's clipped sum would be rounded in its dtype before the noise (for
+    512 records of a bfloat16 Dense, leaving one out moved the sum by 1.6 clips): refused by
+    make_private, PrivateGradients and the backend's private_gradient, before any event."""
+    import dpcore
+    from dpcore_tensorflow import PrivateGradients
+    net = keras.Sequential([keras.Input((3,)), L.Dense(2, dtype=dtype)])
+    match = f"parameter '{net.trainable_variables[0].path}' is {dtype}.*mixed_{dtype}"
+    with pytest.raises(ValueError, match=match):
+        make_private(net, n=16, q=0.5, max_grad_norm=1.0, noise_multiplier=1.0)
+    agg = dpcore.PrivateAggregator(dpcore.flat([v.path for v in net.trainable_variables], 1.0,
+                                               1.0), n=16, q=0.5, backend="tensorflow", seed=0)
+    with pytest.raises(ValueError, match=match):
+        PrivateGradients(net, "mse", agg)
+    params = {v.path: v for v in net.trainable_variables}
+    with pytest.raises(ValueError, match=match):
+        dpcore.get_backend("tensorflow").private_gradient(
+            lambda p, batch: tf.reduce_sum(batch[0], axis=1), params,
+            (tf.ones((4, 3), dtype),), agg)
+    assert list(agg.ledger.events) == []
