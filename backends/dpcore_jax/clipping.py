@@ -107,8 +107,9 @@ def refuse_16_bit_params(params) -> None:
             raise ValueError(
                 f"parameter {name!r} is {dtype}: its clipped sum would be rounded to {dtype} "
                 f"before the noise, and one record could move it by more than its clip. Keep "
-                f"the parameters in float32 and compute in {dtype} inside loss_fn (cast them "
-                f"there, e.g. jax.tree_util.tree_map(lambda p: p.astype(jnp.{dtype}), params))")
+                f"the parameters in float32 and compute in {dtype} inside loss_fn (Flax: "
+                f"param_dtype=jnp.float32, dtype=jnp.{dtype}; or cast them there, "
+                f"jax.tree_util.tree_map(lambda p: p.astype(jnp.{dtype}), params))")
 
 
 def check_host_mask(mask) -> None:
