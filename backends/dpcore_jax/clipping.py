@@ -97,13 +97,20 @@ def _chunk(loss_fn, mechanism, method, params, batch, mask, clips):
     return sums, nonfinite, factors
 
 
-def refuse_16_bit_params(params) -> None:
-    """Refuse float16 and bfloat16 leaves: their clipped sums would be formed and rounded in
-    that dtype before the noise, and a rounded sum of many records moves by more than the
-    clip when one record leaves it (1.6 clips for a batch of 512 in bfloat16)."""
-    for name, leaf in named_leaves(params).items():
-        dtype = jnp.result_type(leaf)
-        if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+def check_param_dtypes(params) -> None:
+    """Refuse leaves that are not floating (PRNG keys, counters: a Flax nnx state split
+    whole; noise would be added to a leaf the loss does not read) and float16 or bfloat16
+    leaves: their clipped sums would be formed and rounded in that dtype before the noise,
+    and a rounded sum of many records moves by more than the clip when one record leaves it
+    (1.6 clips for a batch of 512 in bfloat16)."""
+    dtypes = {name: jnp.result_type(leaf) for name, leaf in named_leaves(params).items()}
+    bad = [name for name, dtype in dtypes.items() if not jnp.issubdtype(dtype, jnp.floating)]
+    if bad:
+        raise TypeError(f"the trained parameters must be floating arrays; leaves {bad} are "
+                        f"not (PRNG keys or counters?): train the parameters alone, e.g. "
+                        f"nnx.split(model, nnx.Param, ...)")
+    for name, dtype in dtypes.items():
+        if jnp.finfo(dtype).bits < 32:
             raise ValueError(
                 f"parameter {name!r} is {dtype}: its clipped sum would be rounded to {dtype} "
                 f"before the noise, and one record could move it by more than its clip. Keep "
@@ -148,7 +155,7 @@ def clipped_sums(loss_fn: Callable, mechanism: Mechanism, *, chunk_size: int | N
 
     def run(params, batch, mask=None, clips=None):
         mechanism.check_leaves(leaf_names(params))
-        refuse_16_bit_params(params)
+        check_param_dtypes(params)
         rows = _rows(batch)
         mask = jnp.ones((rows,), bool) if mask is None else jnp.asarray(mask, bool)
         if clips is None:

@@ -446,6 +446,7 @@ def site_grads(site: Site, weight, acts, g) -> SiteGrads:
     if kind == "rows":
         batch = g.shape[0]
         (indices,) = acts
+        g = _in_bounds_rows(site, weight, indices, g)
         ids = jnp.clip(indices[..., 0], 0, weight.shape[0] - 1).reshape(batch, -1)
         rows = g.reshape(batch, ids.shape[1], math.prod(g.shape[1:]) // ids.shape[1])
         rows = _wide(rows)
@@ -456,6 +457,19 @@ def site_grads(site: Site, weight, acts, g) -> SiteGrads:
     parts = (_conv_parts(site, weight, acts, g) if kind == "conv"
              else [_vjp_per_example(site, weight, acts, g)])
     return SiteGrads(sum(sq_norms(p) for p in parts), parts)
+
+
+def _in_bounds_rows(site: Site, weight, indices, g):
+    """``g`` of a row gather with the positions whose id lies outside [0, V) set to 0 when
+    the gather promises in-bounds ids (plain ``E[ids]``): its forward clamps such an id on
+    XLA:CPU, but its gradient, a scatter, drops the row (out-of-bounds scatters are the
+    implementation's to handle). Zeroed in the norm and in the sum, such a row counts in
+    neither, whatever the scatter does. A ``mode="clip"`` gather clamps in both already."""
+    if site.eqn.params["mode"] != GatherScatterMode.PROMISE_IN_BOUNDS:
+        return g
+    ids = indices[..., 0]
+    inside = jnp.logical_and(ids >= 0, ids < weight.shape[0])
+    return jnp.where(inside[..., None], g, jnp.zeros((), g.dtype))
 
 
 def _rows_scaled(x, weights):
@@ -497,6 +511,8 @@ def site_weighted_sum(site: Site, weight, grads: SiteGrads, acts, g, weights, ke
     acts, g = [drop(a) for a in acts], drop(g)
     if rule(site) == "dense":
         return _dense_weighted_sum(site, weight, acts, g, weights)
+    if rule(site) == "rows":
+        g = _in_bounds_rows(site, weight, acts[0], g)
     batch = g.shape[0]
 
     def op(w):

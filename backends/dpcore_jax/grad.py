@@ -14,6 +14,7 @@ gives those records weight 0 and needs no read-back.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable
 
 import jax
@@ -138,9 +139,19 @@ def clip_free(mechanism: Mechanism) -> Mechanism:
                      mechanism.microbatch_size)
 
 
-@functools.lru_cache(maxsize=64)
 def clipping_kernel(loss_fn: Callable, structure: Mechanism) -> Callable:
     """``jit(clipped_sums(loss_fn, structure, with_factors=True))`` called as
     ``kernel(params, batch, mask, clips)``, built once per loss and :func:`clip_free`
-    mechanism."""
+    mechanism. A bound method is built anew each time: ``model.loss`` is a new object at
+    every access, equal to the last, and the attributes it reads may have changed since
+    (a kernel is the loss as traced)."""
+    if inspect.ismethod(loss_fn):
+        return _kernel(loss_fn, structure)
+    return _cached_kernel(loss_fn, structure)
+
+
+def _kernel(loss_fn: Callable, structure: Mechanism) -> Callable:
     return jax.jit(clipped_sums(loss_fn, structure, with_factors=True))
+
+
+_cached_kernel = functools.lru_cache(maxsize=64)(_kernel)

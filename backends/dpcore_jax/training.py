@@ -15,7 +15,6 @@ import math
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from dpcore import BudgetExhaustedError
@@ -23,9 +22,8 @@ from dpcore import _validation as check
 from dpcore.aggregation import NonFiniteNormError
 
 from .batching import Buckets, PoissonBatches, batch_shards, replicated
-from .clipping import check_host_mask
+from .clipping import check_host_mask, check_param_dtypes
 from .grad import _Compiled, private_mean_fn
-from .names import named_leaves
 
 
 class PrivateStep:
@@ -54,15 +52,11 @@ class PrivateStep:
 
     def check_params(self, params) -> None:
         """Refuse leaves that cannot be differentiated (PRNG keys, counters: a Flax nnx
-        ``nnx.split(model)`` state), naming them, before a step is taken."""
+        ``nnx.split(model)`` state) and 16-bit ones, naming them, before a step is taken
+        (:func:`~dpcore_jax.clipping.check_param_dtypes`)."""
         if self._checked:
             return
-        bad = [name for name, leaf in named_leaves(params).items()
-               if not jnp.issubdtype(leaf.dtype, jnp.floating)]
-        if bad:
-            raise TypeError(f"the trained parameters must be floating arrays; leaves {bad} are "
-                            f"not (PRNG keys or counters?): train the parameters alone, e.g. "
-                            f"nnx.split(model, nnx.Param, ...)")
+        check_param_dtypes(params)
         self._checked = True
 
     def __call__(self, params, opt_state, batch, mask=None):

@@ -180,6 +180,42 @@ def test_embedding_norms_by_both_routes_match_per_example_gradients(monkeypatch,
     np.testing.assert_allclose(np.asarray(factors)[:, 0], 1e-3 / np.sqrt(sq), rtol=1e-5)
 
 
+@pytest.mark.parametrize("limit", [64, 0])
+def test_out_of_range_ids_count_in_neither_norm_nor_sum(monkeypatch, limit):
+    """Plain ``E[ids]`` with an id outside [0, V): its forward reads the clamped row, its
+    gradient drops the row. The rows rule clamped the id for the norm: a record whose two
+    lookups cancelled in the norm released a gradient of norm 1 under a clip of 0.01. Now
+    its norm and sum agree with the per-example gradients (vmap), at both routes."""
+    monkeypatch.setattr(ghost, "ROWS_GHOST_POSITIONS", limit)
+    params = {"E": jnp.zeros((2, 3), jnp.float32)}
+    u = jnp.array([1.0, 0.0, 0.0])
+
+    def loss(p, ids):
+        h = p["E"][ids]  # id 2 is out of range: clamped to 1 forward
+        return (h[:, 0] - h[:, 1]) @ u
+
+    ids = jnp.array([[2, 1], [0, 1], [1, 5]], jnp.int32)
+    assert ghost.rule(ghost.plan(loss, params, ids[0]).sites[0]) == "rows"
+    mechanism = dpcore.flat(["E"], 0.01, 0.0)
+    got = {method: jax.jit(clipped_sums(loss, mechanism, method=method, with_factors=True))(
+        params, ids) for method in ("ghost", "vmap")}
+    np.testing.assert_allclose(got["ghost"][2], got["vmap"][2], rtol=1e-6)
+    np.testing.assert_allclose(got["ghost"][0]["E"], got["vmap"][0]["E"], atol=1e-7)
+    for row in range(3):  # each record alone: at most its clip
+        alone = jax.jit(clipped_sums(loss, mechanism))(params, ids[row:row + 1]).sums["E"]
+        assert float(jnp.linalg.norm(alone)) <= 0.01 * (1 + 1e-5), row
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_leaves_that_are_not_floating_are_refused(method):
+    """An integer leaf the loss does not read got noise added to it (a counter drifted from
+    7 to 5 over five optax steps); one it reads failed with JAX's float0 error."""
+    run = clipped_sums(lambda q, x: jnp.sum(x * q["w"], axis=1),
+                       dpcore.flat(["count", "w"], 1.0, 0.0), method=method)
+    with pytest.raises(TypeError, match=r"floating arrays; leaves \['count'\]"):
+        jax.jit(run)({"count": jnp.int32(7), "w": jnp.zeros(3)}, jnp.ones((2, 3)))
+
+
 def test_padded_rows_change_nothing_even_when_they_hold_nan():
     rng = np.random.default_rng(5)
     loss_fn, params = models.model(rng, "cnn")
