@@ -16,6 +16,7 @@ Keras models have faster paths (ghost norms and book-keeping): see :mod:`.keras_
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Callable, Mapping
 
@@ -85,6 +86,11 @@ class TensorFlowBackend(Backend):
         return names, [tf.convert_to_tensor(params[k]) for k in names]
 
     def _function(self, key, loss_fn, build: Callable):
+        """``tf.function(build)``, kept per loss and ``key``; for a bound method made anew:
+        ``model.loss`` is a new object at every access, equal to the last, and the attributes
+        it reads may have changed since (a traced function keeps those it was traced with)."""
+        if inspect.ismethod(loss_fn):
+            return tf.function(build, reduce_retracing=True, jit_compile=self.jit_compile)
         per_loss = self._compiled.setdefault(loss_fn, {})
         if key not in per_loss:
             per_loss[key] = tf.function(build, reduce_retracing=True, jit_compile=self.jit_compile)

@@ -193,3 +193,28 @@ def test_adaptive_clipping_moves_the_clip_without_retracing(backend):
     assert any(g.startswith("unclipped_count:") for g in groups)
     compiled = [f for k, f in backend._compiled[loss].items() if k[0] == "private"]
     assert sum(f.experimental_get_tracing_count() for f in compiled) == 1
+
+
+def test_private_gradient_of_a_bound_method_reads_its_object_now():
+    """``model.loss`` is a new object at each access, equal to the last: the traced function
+    was kept by equality and kept the attributes it was traced with (scale 1 after it was
+    set to 3)."""
+    class Model:
+        scale = 1.0
+
+        def loss(self, p, batch):
+            x, y = batch
+            return (self.scale * tf.linalg.matvec(x, p["w"]) - y) ** 2
+
+    model, params = Model(), {"w": tf.ones(3)}
+    batch = (tf.ones((4, 3)), tf.zeros(4))
+    backend = dpcore.get_backend("tensorflow")
+    for scale in (1.0, 3.0):
+        model.scale = scale
+        agg = dpcore.PrivateAggregator(dpcore.flat(["w"], 1e6, 0.0), n=4, q=1.0,
+                                       backend=backend, seed=0)
+        agg.sample()
+        got = backend.private_gradient(model.loss, params, batch, agg)["w"].numpy()
+        np.testing.assert_allclose(got, np.full(3, 6 * scale ** 2), rtol=1e-6)
+        per_example = backend.per_example_grads(model.loss, params, batch)["w"].numpy()
+        np.testing.assert_allclose(per_example, np.full((4, 3), 6 * scale ** 2), rtol=1e-6)
