@@ -393,6 +393,8 @@ class EmbeddingTap(_Tap):
     def call(self, layer, recorder):
         def call(inputs):
             ids = inputs if inputs.dtype in ("int32", "int64") else ops.cast(inputs, "int32")
+            # id -k is row V - k, as Keras's take reads it (the sums by id would drop it)
+            ids = ops.where(ids < 0, ids + layer.input_dim, ids)
             table = recorder.read(layer, layer.embeddings)
             z = ops.cast(ops.take(table, ids, axis=0), layer.compute_dtype)
             return recorder.add(layer, ids, z)
