@@ -393,8 +393,6 @@ class EmbeddingTap(_Tap):
     def call(self, layer, recorder):
         def call(inputs):
             ids = inputs if inputs.dtype in ("int32", "int64") else ops.cast(inputs, "int32")
-            # id -k is row V - k, as Keras's take reads it (the sums by id would drop it)
-            ids = ops.where(ids < 0, ids + layer.input_dim, ids)
             table = recorder.read(layer, layer.embeddings)
             z = ops.cast(ops.take(table, ids, axis=0), layer.compute_dtype)
             return recorder.add(layer, ids, z)
@@ -402,6 +400,8 @@ class EmbeddingTap(_Tap):
 
     def grads(self, layer, saved, gs, mode):
         ids = tf.concat([tf.reshape(i, [tf.shape(i)[0], -1]) for i in saved], axis=1)
+        # id -k is row V - k, as Keras's take reads it (the sums by id would drop it)
+        ids = tf.where(ids < 0, ids + layer.input_dim, ids)
         g = tf.concat([_rows(gz, layer.output_dim) for gz in gs], axis=1)
         table = layer.embeddings
         return {table.path: lg.EmbeddingTable(ids, g, layer.input_dim, mode=mode)}
