@@ -1,4 +1,5 @@
-"""Statistics shared by the checks, fast enough for the millions of values they test."""
+"""Statistics shared by the checks, fast enough for the millions of values they test, and a
+probe of a secure aggregator's draws (used by the project's own tests too)."""
 
 import numpy as np
 from scipy import special, stats
@@ -29,3 +30,17 @@ def repeated_run(x, length: int):
             if np.array_equal(x[starts[0]:starts[0] + length], x[j:j + length]):
                 return int(starts[0]), int(j)
     return None
+
+
+def record_secure_draws(aggregator) -> list:
+    """The list the secure ``aggregator``'s generator appends each draw of N(0, 1) values to
+    as it hands them out."""
+    draws, draw = [], aggregator.rng.standard_normal
+
+    def recorded(size):
+        values = draw(size)
+        draws.append(np.array(values, dtype=np.float64))  # a copy: the backend may scale its own
+        return values
+
+    aggregator.rng.standard_normal = recorded
+    return draws

@@ -15,7 +15,7 @@ from scipy import stats
 from dpcore import Group, Mechanism, PrivateAggregator
 from dpcore.ledger import SamplingEvent, SumQueryEvent
 
-from .checks import ks_normal, repeated_run
+from .checks import ks_normal, record_secure_draws, repeated_run
 from .plugin import converter
 from .problems import scalar_leaves, tanh_mlp
 
@@ -172,20 +172,6 @@ def run_steps(backend, convert, problem, mechanism, secure, seed=0):
     kept = convert.numpy(first)
     return NoiseRun(outs, z, all(np.array_equal(kept[k], outs[0][k]) for k in kept),
                     secure_draws)
-
-
-def record_secure_draws(aggregator) -> list:
-    """The list the secure ``aggregator``'s generator appends each draw of N(0, 1) values to
-    as it hands them out."""
-    draws, draw = [], aggregator.rng.standard_normal
-
-    def recorded(size):
-        values = draw(size)
-        draws.append(np.array(values, dtype=np.float64))  # a copy: the backend may scale its own
-        return values
-
-    aggregator.rng.standard_normal = recorded
-    return draws
 
 
 def test_step_noise_has_the_standard_deviation_the_ledger_records(noise_run):
