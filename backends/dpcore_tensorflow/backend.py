@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections import OrderedDict
 from typing import Callable, Mapping
 
 import numpy as np
@@ -46,10 +47,11 @@ class TensorFlowBackend(Backend):
     name = "tensorflow"
     version = tf.__version__
     capabilities = frozenset({PER_EXAMPLE_GRADS, GHOST_NORMS, JIT})
+    KEPT_FUNCTIONS = 64
 
     def __init__(self, *, jit_compile: bool = False):
         self.jit_compile = bool(jit_compile)
-        self._compiled: dict = {}  # loss_fn -> {key: tf.function}
+        self._compiled: OrderedDict = OrderedDict()  # (loss_fn, key) -> tf.function
 
     def namespace(self):
         return namespace
@@ -86,15 +88,21 @@ class TensorFlowBackend(Backend):
         return names, [tf.convert_to_tensor(params[k]) for k in names]
 
     def _function(self, key, loss_fn, build: Callable):
-        """``tf.function(build)``, kept per loss and ``key``; for a bound method made anew:
-        ``model.loss`` is a new object at every access, equal to the last, and the attributes
-        it reads may have changed since (a traced function keeps those it was traced with)."""
+        """``tf.function(build)``, kept per loss and ``key`` for the last ``KEPT_FUNCTIONS``
+        pairs used (a loss made anew per call would otherwise keep every function and the
+        model it closes over); for a bound method made anew: ``model.loss`` is a new object at
+        every access, equal to the last, and the attributes it reads may have changed since
+        (a traced function keeps those it was traced with)."""
         if inspect.ismethod(loss_fn):
             return tf.function(build, reduce_retracing=True, jit_compile=self.jit_compile)
-        per_loss = self._compiled.setdefault(loss_fn, {})
-        if key not in per_loss:
-            per_loss[key] = tf.function(build, reduce_retracing=True, jit_compile=self.jit_compile)
-        return per_loss[key]
+        if (loss_fn, key) in self._compiled:
+            self._compiled.move_to_end((loss_fn, key))
+        else:
+            self._compiled[loss_fn, key] = tf.function(build, reduce_retracing=True,
+                                                       jit_compile=self.jit_compile)
+            if len(self._compiled) > self.KEPT_FUNCTIONS:
+                self._compiled.popitem(last=False)
+        return self._compiled[loss_fn, key]
 
     def per_example_grads(self, loss_fn, params, batch) -> dict:
         names, values = self._params(params)

@@ -191,8 +191,26 @@ def test_adaptive_clipping_moves_the_clip_without_retracing(backend):
     assert len(set(clips)) == 3
     groups = {e.group for e in agg.ledger.events if hasattr(e, "group")}
     assert any(g.startswith("unclipped_count:") for g in groups)
-    compiled = [f for k, f in backend._compiled[loss].items() if k[0] == "private"]
+    compiled = [f for (fn, key), f in backend._compiled.items()
+                if fn is loss and key[0] == "private"]
     assert sum(f.experimental_get_tracing_count() for f in compiled) == 1
+
+
+def test_compiled_functions_are_kept_for_the_losses_used_last():
+    """A loss made anew per call (a closure over this step's model) kept one compiled
+    function, and the model, per call: now the last ``KEPT_FUNCTIONS`` are kept."""
+    backend = dpcore.get_backend("tensorflow")
+    params, batch, grads = problem()
+    backend._compiled.clear()
+    first = linear_loss(backend.namespace())
+    backend.per_example_grads(first, params, batch)
+    for _ in range(backend.KEPT_FUNCTIONS + 6):
+        backend.per_example_grads(first, params, batch)  # used last: kept
+        got = backend.per_example_grads(linear_loss(backend.namespace()), params, batch)
+        np.testing.assert_allclose(got["w"].numpy(), grads["w"], rtol=1e-6)
+    assert len(backend._compiled) == backend.KEPT_FUNCTIONS
+    (kept,) = [f for (fn, _), f in backend._compiled.items() if fn is first]
+    assert kept.experimental_get_tracing_count() == 1
 
 
 def test_private_gradient_of_a_bound_method_reads_its_object_now():
