@@ -2,6 +2,9 @@
 testing that the conformance suite catches them. Loaded with ``-p broken_backends``, it registers
 every one of them under its name in ``BROKEN``."""
 
+import copy
+import inspect
+import types
 import weakref
 
 import numpy as np
@@ -300,6 +303,33 @@ class ChunkMeanGradients(TinyTorchBackend):
                 for k, g in grads.items()}
 
 
+def _as_traced(kept, loss_fn):
+    """The loss an equal one first was, as a tracing backend keeps the program it traced by
+    the loss's equality: a bound method with its object's attributes as they were then."""
+    if not inspect.ismethod(loss_fn):
+        return loss_fn
+    return kept.setdefault(loss_fn, types.MethodType(loss_fn.__func__,
+                                                     copy.copy(loss_fn.__self__)))
+
+
+class LossKeptByEquality(TinyTorchBackend):
+    def __init__(self):
+        self._kept = {}
+
+    def per_example_grads(self, loss_fn, params, batch):
+        return super().per_example_grads(_as_traced(self._kept, loss_fn), params, batch)
+
+
+class StepKeepsItsLoss(FusedStep):
+    """Per-example gradients read the loss now; the fused step keeps the first equal one."""
+    def __init__(self):
+        self._kept = {}
+
+    def private_gradient(self, loss_fn, params, batch, aggregator, *, mask=None):
+        return super().private_gradient(_as_traced(self._kept, loss_fn), params, batch,
+                                        aggregator, mask=mask)
+
+
 def _sampling(sampler):
     class Sampling(TinyTorchBackend):
         def poisson_sampler(self, n, q, *, seed=None):
@@ -337,6 +367,8 @@ BROKEN = {
     "float32_in_float64_noise": Float32InFloat64Noise,
     "global_generator": GlobalGenerator,
     "chunk_mean_gradients": ChunkMeanGradients,
+    "loss_kept_by_equality": LossKeptByEquality,
+    "step_keeps_its_loss": StepKeepsItsLoss,
 }
 
 

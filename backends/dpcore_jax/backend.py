@@ -14,6 +14,8 @@ ledger written on the host before the result is returned.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from typing import Any, Callable, Mapping
 
@@ -103,8 +105,13 @@ class JaxBackend(contract.Backend):
 
     def per_example_grads(self, loss_fn: Callable, params: Mapping[str, Any], batch) -> dict:
         """``{leaf name: (B, *leaf shape)}`` by ``jit(vmap(grad))``; ``params`` may be any
-        pytree (leaf names as in :mod:`dpcore_jax.names`)."""
-        return named_leaves(_per_example_grads_jit(loss_fn, params, batch))
+        pytree (leaf names as in :mod:`dpcore_jax.names`). The program is kept per loss,
+        but a bound method is traced anew (as in :func:`dpcore_jax.grad.clipping_kernel`)."""
+        if inspect.ismethod(loss_fn):
+            grads = jax.jit(functools.partial(_per_example_grads, loss_fn))(params, batch)
+        else:
+            grads = _per_example_grads_jit(loss_fn, params, batch)
+        return named_leaves(grads)
 
     def per_example_sq_norms(self, loss_fn: Callable, params: Mapping[str, Any], batch):
         """Squared per-example gradient norms (B, L): columns in ``params`` order for a flat

@@ -127,4 +127,16 @@ def scalar_leaves(batch: int = 8, leaves: int = 48, seed: int = 3) -> Problem:
     return Problem("scalar_leaves", params, (x, y), loss, grads)
 
 
+class ScaledModel:
+    """A model whose loss is a bound method reading an attribute: ``model.loss`` is a new
+    object at every access, equal to the last, and a backend that traces a loss must read
+    ``scale`` as it is at the call, not as it was when an equal loss was first traced."""
+
+    def __init__(self, loss_fn: Callable, scale: float = 1.0):
+        self.loss_fn, self.scale = loss_fn, scale
+
+    def loss(self, params, batch):
+        return self.scale * self.loss_fn(params, batch)
+
+
 PROBLEMS = (linear_regression, logistic_regression, tanh_mlp, scalar_leaves)

@@ -10,7 +10,7 @@ import pytest
 
 from dpcore.aggregation import per_leaf_sq_norms
 
-from .problems import PROBLEMS
+from .problems import PROBLEMS, ScaledModel, linear_regression
 
 pytestmark = pytest.mark.requires_capability("per_example_grads")
 
@@ -38,3 +38,17 @@ def test_per_example_squared_norms(backend, convert, make):
     leaves = list(problem.params)
     expected = per_leaf_sq_norms(problem.grads(problem.params, problem.batch), leaves)
     np.testing.assert_allclose(convert.numpy(sq), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_a_bound_method_loss_is_read_at_every_call(backend, convert):
+    problem = linear_regression(batch=7)
+    model = ScaledModel(problem.loss(backend.namespace()))
+    expected = problem.grads(problem.params, problem.batch)
+    for scale in (1.0, 3.0, 0.5):
+        model.scale = scale
+        grads = backend.per_example_grads(model.loss, convert(problem.params),
+                                          convert(problem.batch))
+        for leaf, want in expected.items():
+            got = convert.numpy(grads[leaf])
+            np.testing.assert_allclose(got, scale * want.reshape(got.shape), rtol=1e-4,
+                                       atol=1e-5, err_msg=f"{leaf!r} at scale {scale}")

@@ -17,7 +17,7 @@ from dpcore.ledger import SamplingEvent, SumQueryEvent
 
 from .checks import ks_normal, record_secure_draws, repeated_run
 from .plugin import converter
-from .problems import scalar_leaves, tanh_mlp
+from .problems import ScaledModel, scalar_leaves, tanh_mlp
 
 pytestmark = pytest.mark.requires_capability("per_example_grads")
 
@@ -61,6 +61,23 @@ def test_noise_free_step_is_the_exact_clipped_mean(backend, convert):
     for leaf, total in sums.items():
         np.testing.assert_allclose(out[leaf], total / (RATE * N_RECORDS), rtol=1e-4, atol=1e-6,
                                    err_msg=f"noise-free private gradient of {leaf!r}")
+
+
+def test_a_step_reads_a_bound_method_loss_at_every_call(backend, convert):
+    problem = tanh_mlp(batch=6, seed=5)
+    model = ScaledModel(problem.loss(backend.namespace()))
+    mech = mechanism(noise=(0.0, 0.0), clips=(1e6, 1e6))
+    grads = problem.grads(problem.params, problem.batch)
+    for scale in (1.0, 3.0, 0.5):
+        model.scale = scale
+        agg = PrivateAggregator(mech, n=N_RECORDS, q=RATE, backend=backend, seed=0)
+        agg.begin_step()
+        out = convert.numpy(backend.private_gradient(model.loss, convert(problem.params),
+                                                     convert(problem.batch), agg))
+        for leaf, g in grads.items():
+            want = scale * g.sum(axis=0).reshape(out[leaf].shape) / (RATE * N_RECORDS)
+            np.testing.assert_allclose(out[leaf], want, rtol=1e-4, atol=1e-6,
+                                       err_msg=f"{leaf!r} at scale {scale}")
 
 
 def test_one_record_contributes_at_most_the_clip_bound(backend, convert):

@@ -149,25 +149,3 @@ def test_per_example_grads_match_a_float64_one_at_a_time_oracle(kind):
     sq = JaxBackend().per_example_sq_norms(loss_fn, params, batch)
     expected = np.stack([(oracle[leaf].reshape(6, -1) ** 2).sum(1) for leaf in leaf_names(params)], 1)
     np.testing.assert_allclose(sq, expected, rtol=10 * F32_TOL, atol=10 * F32_TOL * expected.max())
-
-
-def test_private_gradient_of_a_bound_method_reads_its_object_now():
-    """``model.loss`` is a new object at each access, equal to the last: the compiled kernel
-    was cached by equality and kept the attributes it was traced with (scale 1 after it was
-    set to 3)."""
-    class Model:
-        scale = 1.0
-
-        def loss(self, p, batch):
-            x, y = batch
-            return (self.scale * (x @ p["w"]) - y) ** 2
-
-    model, params = Model(), {"w": jnp.ones(3)}
-    batch = (np.ones((4, 3), np.float32), np.zeros(4, np.float32))
-    for scale in (1.0, 3.0):
-        model.scale = scale
-        agg = dpcore.PrivateAggregator(dpcore.flat(["w"], 1e6, 0.0), n=4, q=1.0,
-                                       backend="jax", seed=0)
-        agg.sample()
-        got = agg.backend.private_gradient(model.loss, params, batch, agg)["w"]
-        np.testing.assert_allclose(got, np.full(3, 6 * scale ** 2), rtol=1e-6)

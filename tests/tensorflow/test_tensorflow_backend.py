@@ -211,28 +211,3 @@ def test_compiled_functions_are_kept_for_the_losses_used_last():
     assert len(backend._compiled) == backend.KEPT_FUNCTIONS
     (kept,) = [f for (fn, _), f in backend._compiled.items() if fn is first]
     assert kept.experimental_get_tracing_count() == 1
-
-
-def test_private_gradient_of_a_bound_method_reads_its_object_now():
-    """``model.loss`` is a new object at each access, equal to the last: the traced function
-    was kept by equality and kept the attributes it was traced with (scale 1 after it was
-    set to 3)."""
-    class Model:
-        scale = 1.0
-
-        def loss(self, p, batch):
-            x, y = batch
-            return (self.scale * tf.linalg.matvec(x, p["w"]) - y) ** 2
-
-    model, params = Model(), {"w": tf.ones(3)}
-    batch = (tf.ones((4, 3)), tf.zeros(4))
-    backend = dpcore.get_backend("tensorflow")
-    for scale in (1.0, 3.0):
-        model.scale = scale
-        agg = dpcore.PrivateAggregator(dpcore.flat(["w"], 1e6, 0.0), n=4, q=1.0,
-                                       backend=backend, seed=0)
-        agg.sample()
-        got = backend.private_gradient(model.loss, params, batch, agg)["w"].numpy()
-        np.testing.assert_allclose(got, np.full(3, 6 * scale ** 2), rtol=1e-6)
-        per_example = backend.per_example_grads(model.loss, params, batch)["w"].numpy()
-        np.testing.assert_allclose(per_example, np.full((4, 3), 6 * scale ** 2), rtol=1e-6)
