@@ -46,25 +46,33 @@ def _spec(x):
 
 
 def _chunk(loss_fn, mechanism, method, params, batch, mask, clips):
-    """(sums by leaf name, nonfinite count) of one chunk of rows."""
-    leaves = mechanism.leaves
+    """(sums by leaf name, nonfinite count, clip factors) of one chunk of rows: the
+    per-example parts (gradients, or a ghost plan's inputs and backprops) at the loss's own
+    precision, then norms and clipped sums with every product at full precision. (Default
+    precision on GPUs and TPUs rounds float32 inputs to TensorFloat-32 or bfloat16: a sum
+    x^T (c g) would not be the sum of the records whose norms were clipped.)"""
     named = named_leaves(params)
-    rows = mask.shape[0]
     if method == "vmap":
         grads = named_leaves(jax.vmap(jax.grad(one_example_loss(loss_fn)), in_axes=(None, 0))(
             params, batch))
-        sites, fallback_grads, site_grads, acts, by_site = (), grads, {}, {}, {}
-        sq = {leaf: ghost.sq_norms(g) for leaf, g in grads.items()}
+        parts = ((), grads, {}, {})
     else:
         example = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
         plan = ghost.plan(loss_fn, jax.tree_util.tree_map(_spec, params), example)
-        fallback_grads, site_grads, acts = ghost.per_example_parts(plan, named, batch)
-        sites = plan.sites  # summed by their rules (ghost.site_weighted_sum)
-        by_site = {site.leaf: ghost.site_grads(site, named[site.leaf], acts[site.index],
-                                               site_grads[site.index]) for site in sites}
-        sq = {leaf: grads.sq for leaf, grads in by_site.items()}
-        sq.update({leaf: ghost.sq_norms(g) for leaf, g in fallback_grads.items()
-                   if leaf not in sq})
+        parts = (plan.sites, *ghost.per_example_parts(plan, named, batch))
+    with jax.default_matmul_precision("highest"):
+        return _clipped(mechanism, named, mask, clips, *parts)
+
+
+def _clipped(mechanism, named, mask, clips, sites, fallback_grads, site_grads, acts):
+    """:func:`_chunk`'s norms, clip factors and sums; ``sites`` are summed by their rules
+    (:func:`ghost.site_weighted_sum`), the other leaves from ``fallback_grads``."""
+    leaves = mechanism.leaves
+    rows = mask.shape[0]
+    by_site = {site.leaf: ghost.site_grads(site, named[site.leaf], acts[site.index],
+                                           site_grads[site.index]) for site in sites}
+    sq = {leaf: grads.sq for leaf, grads in by_site.items()}
+    sq.update({leaf: ghost.sq_norms(g) for leaf, g in fallback_grads.items() if leaf not in sq})
     dtype = jnp.result_type(jnp.float32, *[v.dtype for v in sq.values()])
     zero = jnp.zeros((rows,), dtype)
     sq_norms = jnp.stack([sq.get(leaf, zero).astype(dtype) for leaf in leaves], axis=1)

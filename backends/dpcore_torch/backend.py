@@ -27,6 +27,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from dpcore.backend import GHOST_NORMS, PER_EXAMPLE_GRADS, Backend
 
+from .layers import full_precision
+
 
 # A CPU draw above this many values is cut into pieces of it, each from its own generator
 # (stream), drawn on torch's intra-op threads at once: torch.randn is one thread on the CPU
@@ -133,3 +135,10 @@ class TorchBackend(Backend):
         in_dims = tree_map(lambda t: 0 if isinstance(t, torch.Tensor) else None, batch)
         grads = torch.func.vmap(torch.func.grad(one), in_dims=(None, in_dims))(params, batch)
         return dict(grads)
+
+    def private_gradient(self, loss_fn, params, batch, aggregator, *, mask=None) -> dict:
+        """The core's step on :meth:`per_example_grads` with every product at full precision
+        (:func:`.layers.full_precision`): the clipped sums are a matrix product, which
+        ``torch.set_float32_matmul_precision("high" | "medium")`` would let round."""
+        with full_precision():
+            return super().private_gradient(loss_fn, params, batch, aggregator, mask=mask)

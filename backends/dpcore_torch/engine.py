@@ -31,7 +31,7 @@ from .fallback import FallbackUnit, recording
 from .independence import Probe, probing, rerunning
 from .instrumentation import forget, instrumentation, set_by_dpcore
 from .layers import (PREFERENCES, RULES, AccumulationError, NotPerExampleError, Rule,
-                     add_contraction, keep_rows, row_sq_norms, tick)
+                     add_contraction, full_precision, keep_rows, row_sq_norms, tick)
 from .recurrent import RECURRENT_RULES
 
 MODES = ("auto", "vmap")
@@ -463,6 +463,7 @@ class PerExampleEngine:
     def batch_size(self) -> int:
         return self._contributions()[1]
 
+    @full_precision()
     def per_example_grads(self) -> dict[str, torch.Tensor]:
         """Materialised per-example gradients {leaf: (B, *shape)} of the current step."""
         contributions, batch = self._contributions()
@@ -474,8 +475,12 @@ class PerExampleEngine:
                          else p.new_zeros((batch, *p.shape)))
         return out
 
+    @full_precision()
     def sq_norms(self, leaves: Sequence[str]):
-        """Squared per-example norms (B, L), columns in ``leaves`` order."""
+        """Squared per-example norms (B, L), columns in ``leaves`` order. Norms and clipped
+        sums form their products at full precision (:func:`.layers.full_precision`): products
+        whose inputs were rounded to TensorFloat-32 or bfloat16 would let a record's clipped
+        contribution exceed its clip (by 2^-10 or 2^-7 of it, more where its terms cancel)."""
         contributions, batch = self._contributions()
         if self._model_calls:  # once per step: the norms come before any clipped sum
             for unit, call in {id(c): (u, c) for uses in contributions.values()
@@ -514,6 +519,7 @@ class PerExampleEngine:
         self.add_clipped_sums(factors, groups, out)
         return out
 
+    @full_precision()
     def add_clipped_sums(self, factors, groups: Mapping[str, int], out: Mapping) -> None:
         """``out[leaf] += sum_i factors[i, groups[leaf]] * grad_i`` in place for every leaf
         used in the step (an unused leaf's ``out`` is not touched: its sum is zero); ``out``

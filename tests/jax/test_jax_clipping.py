@@ -502,3 +502,51 @@ def test_records_of_several_rows_are_clipped_as_one(kind, method):
                           np.repeat(mask, 3))
     assert any(np.abs(by_rows[leaf] - value).max() > 1e-3
                for leaf, value in named_leaves(sums).items())
+
+
+def _products(jaxpr):
+    """Every dot_general and convolution of a jaxpr, its sub-jaxprs' (cond, scan, jit) too."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+            yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from _products(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _products(sub)
+
+
+@pytest.mark.parametrize("method", ["ghost", "vmap"])
+def test_norms_and_sums_form_their_products_at_full_precision(method):
+    """Default precision on GPUs and TPUs rounds float32 products' inputs to TensorFloat-32
+    or bfloat16 ("bfloat16" below), so a clipped sum x^T (c g) would not be the sum of the
+    records whose norms were clipped. The loss asks for full precision in its own products:
+    every product of the kernel is then at full precision, the forward and backward pass
+    (at the loss's precision) and the norms and sums (at full precision whatever the
+    default)."""
+    from jax import lax
+
+    full = lax.Precision.HIGHEST
+
+    def loss_fn(p, batch):
+        x, ids, y = batch
+        h = jnp.tanh(lax.conv_general_dilated(x, p["conv"], (1, 1), "VALID", precision=full,
+                                              dimension_numbers=("NHWC", "HWIO", "NHWC")))
+        s = jnp.einsum("bpc,cf->bpf", p["emb"][ids], p["seq"], precision=full)
+        v = jnp.concatenate([h.reshape(h.shape[0], -1), s.reshape(s.shape[0], -1)], axis=1)
+        return (jnp.dot(jnp.tanh(v), p["out"], precision=full) - y) ** 2
+
+    rng = np.random.default_rng(3)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape) / 2, jnp.float32)  # noqa: E731
+    params = {"conv": normal(3, 3, 2, 3), "emb": normal(7, 4), "seq": normal(4, 3),
+              "out": normal(4 * 4 * 3 + 5 * 3)}
+    batch = (normal(6, 6, 6, 2), jnp.asarray(rng.integers(0, 7, size=(6, 5))), normal(6))
+    mechanism = dpcore.Mechanism((dpcore.Group("all", tuple(params), clip=0.5, noise_std=0.0),))
+    with jax.default_matmul_precision("bfloat16"):
+        jaxpr = jax.make_jaxpr(clipped_sums(loss_fn, mechanism, method=method))(
+            params, batch, np.ones(6, bool))
+    products = list(_products(jaxpr.jaxpr))
+    assert len(products) >= 6
+    for eqn in products:
+        assert eqn.params["precision"] == (full, full), eqn

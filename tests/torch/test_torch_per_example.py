@@ -1,6 +1,7 @@
 """Per-example gradients, norms and clipped sums of the torch engine against a float64 oracle
 that back-propagates one example at a time through plain autograd."""
 
+import contextlib
 import copy
 import math
 import types
@@ -1254,6 +1255,74 @@ def test_ghost_norms_keep_their_bound_under_reduced_matmul_precision(precision):
             torch.set_float32_matmul_precision(before)
         assert (got >= exact).all() and (got <= exact * 1.01).all()
         assert torch.get_float32_matmul_precision() == before
+
+
+class PrecisionOfProducts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the float32 matmul precision in effect at every matrix product and convolution
+    run under it (what lets cuBLAS and oneDNN round their inputs)."""
+    PRODUCTS = ("mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "convolution")
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0].lstrip("_") in self.PRODUCTS:
+            self.seen.append((func.__name__, torch.get_float32_matmul_precision()))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def medium_matmul_precision():
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        yield
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def assert_all_at_full_precision(products):
+    assert products.seen and {precision for _, precision in products.seen} == {"highest"}, \
+        products.seen
+
+
+@pytest.mark.parametrize("prefer", ["memory", "time"])
+def test_norms_and_clipped_sums_run_their_products_at_full_precision(prefer):
+    """Under torch.set_float32_matmul_precision("high" | "medium") a product may round its
+    float32 inputs to TensorFloat-32 or bfloat16, so a clipped sum x^T (c g) would not be the
+    sum of the records whose norms were clipped (2^-10 or 2^-7 of the clip more)."""
+    model = nn.Sequential(nn.Conv1d(3, 4, 3), nn.Tanh(), nn.Flatten(1), nn.Linear(24, 5))
+    seq = nn.Linear(6, 7)  # sequence inputs: T = 5
+    engine = PerExampleEngine(nn.ModuleList([model, seq]), loss_reduction="sum", prefer=prefer)
+    gen = torch.Generator().manual_seed(0)
+    with medium_matmul_precision():
+        loss = model(torch.randn(4, 3, 8, generator=gen)).square().sum()
+        (loss + seq(torch.randn(4, 5, 6, generator=gen)).square().sum()).backward()
+        leaves = list(engine.params)
+        with PrecisionOfProducts() as products:
+            engine.per_example_grads()
+            factors = engine.sq_norms(leaves).sum(1, keepdim=True).rsqrt()
+            engine.clipped_sums(factors, {leaf: 0 for leaf in leaves})
+    assert_all_at_full_precision(products)
+
+
+def test_the_backends_core_step_runs_its_products_at_full_precision():
+    """TorchBackend.private_gradient (per-example gradients by vmap, then the core's clip and
+    sum, a matrix product of factors and gradients) under reduced matmul precision."""
+    import dpcore
+    backend = dpcore.get_backend("torch")
+    gen = torch.Generator().manual_seed(1)
+    w, x = torch.randn(3, 2, generator=gen), torch.randn(4, 3, generator=gen)
+    with medium_matmul_precision():
+        agg = dpcore.PrivateAggregator(dpcore.flat(["w"], 0.5, 0.0), n=4, q=1.0,
+                                       backend=backend, seed=0)
+        agg.sample()
+        with PrecisionOfProducts() as products:
+            backend.private_gradient(lambda p, b: torch.tanh(b @ p["w"]).sum(1), {"w": w}, x,
+                                     agg)
+    assert_all_at_full_precision(products)
 
 
 @pytest.mark.parametrize("t, vocab, d", [(64, 9, 32), (4096, 64, 256)])
