@@ -47,6 +47,13 @@ from dpcore.aggregation import NonFiniteNormError
 _NONE, _NONFINITE, _OTHER = 0, 1, 2  # what failed, in the agreement's flag (the worst wins)
 
 
+def _release_taken(aggregator, per_record: Mapping, mechanism) -> str:
+    """What makes a release of ``mechanism`` the same in every process."""
+    values = [(leaf, tuple(getattr(v, "shape", ())[1:]), str(getattr(v, "dtype", type(v))))
+              for leaf, v in sorted(per_record.items())]
+    return f"a release at step {aggregator.step} of {values} by {mechanism}"
+
+
 class Workers:
     """The processes of the default ``torch.distributed`` group, seen from one of them, whose
     model lives on ``device`` (where the collectives' tensors go). Every method is a
@@ -143,15 +150,29 @@ class Workers:
                       mechanism) -> dict[str, torch.Tensor]:
         """``aggregator.release(per_record, mechanism=mechanism)`` of the step's union:
         each process releases its share's clipped sums over q n (process 0 with the noise)
-        and the results are added up; a release failing in one (a NaN value) raises in all
-        before any of them records it, so their ledgers stay alike."""
+        and the results are added up, leaf by leaf in the mechanism's order. Before any of
+        them records it, the processes check that they release the same values (leaves,
+        shapes, dtypes) under the same mechanism (a process clipping at another bound than
+        process 0's ledger says would break the guarantee) at the same step, and that the
+        share of each is valid (a NaN value): otherwise all raise, and their ledgers stay
+        alike."""
+        settled = False
+
+        def agree(error):
+            nonlocal settled
+            self.settle(error, _release_taken(aggregator, per_record, mechanism))
+            settled = True
+
         error = released = None
         try:
             released = aggregator.release(per_record, mechanism=mechanism,
-                                          noise=self.draws_noise, agree=self.settle)
+                                          noise=self.draws_noise, agree=agree)
         except BaseException as raised:
+            if not settled:  # raised in every process by the agreement: nothing to add up
+                raise
             error = raised
-        like = {leaf: v.new_zeros(v.shape[1:]) for leaf, v in per_record.items()}
+        like = {leaf: per_record[leaf].new_zeros(per_record[leaf].shape[1:])
+                for leaf in mechanism.leaves}
         return self.sum_(released, like, error)
 
     @torch.no_grad()

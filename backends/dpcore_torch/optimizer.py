@@ -216,10 +216,13 @@ class PrivateOptimizer(torch.optim.Optimizer):
         self._accumulate()
 
     def _step_taken(self) -> str:
-        """What makes this step the same in every process (:mod:`dpcore_torch.distributed`)."""
+        """What makes this step the same in every process (:mod:`dpcore_torch.distributed`):
+        among it, the loader's samples handed out when it began (a process skipping a batch,
+        or stepping on batches of another loader, would add its share of another sample)."""
         agg = self.aggregator
         return (f"step {agg.step} at q={agg.q}, n={agg.n}, secure={agg.secure}, "
-                f"on_nonfinite={agg.on_nonfinite!r} of {agg.mechanism}")
+                f"on_nonfinite={agg.on_nonfinite!r} of {agg.mechanism}, begun on the "
+                f"loader's sample {self._begun_on}")
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -12,6 +12,7 @@ sampling at rate q = batch_size / n with the same dataset and collate function. 
 from __future__ import annotations
 
 import math
+import warnings
 from functools import partial
 from typing import Mapping
 
@@ -142,7 +143,12 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
         workers = Workers(next(module.parameters(), torch.empty(0)).device)
     if workers is not None:
         if workers.rank != 0 and not isinstance(ledger, Ledger):
-            ledger = None  # process 0 writes the file; the others keep the same events
+            if ledger is not None:
+                warnings.warn(
+                    f"process {workers.rank} was given the ledger path {str(ledger)!r}: only "
+                    f"process 0 writes a ledger file (every process keeps the same events); "
+                    f"give the path to process 0", RuntimeWarning, stacklevel=2)
+            ledger = None
         workers.copy_model(module)
     n = len(data_loader.dataset)
     q = sample_rate_of(data_loader, 1 if workers is None else workers.world)
@@ -171,19 +177,23 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     try:
         mechanism = build_mechanism(clipping, engine.leaf_sizes, max_grad_norm,
                                     noise_multiplier)
+        extra = (*(() if statistics is None else statistics.mechanisms()), *metrics)
+
         def build():
             return PrivateAggregator(
                 mechanism, n=n, q=q, backend="torch", ledger=ledger, seed=seed,
                 clipping=QuantileClipping() if clip_policy == "adaptive" else clip_policy,
-                budget=budget, on_nonfinite=on_nonfinite, secure=secure,
-                extra=(*(() if statistics is None else statistics.mechanisms()), *metrics))
+                budget=budget, on_nonfinite=on_nonfinite, secure=secure, extra=extra)
+
+        def settings():  # what every process must share (their models: copy_model)
+            return (f"q={q}, n={n} and {mechanism}, extra {extra}, loss_reduction="
+                    f"{loss_reduction!r}, {_optimizer_settings(optimizer)}")
 
         if workers is not None:  # opened in every process or in none
             ledger = workers.agree(partial(_opened, ledger, mechanism))
             # a resumed ledger: process 0's events, so every process continues its steps
             workers.share_ledger(ledger)
-        aggregator = (build() if workers is None else  # the same settings in every process
-                      workers.agree(build, lambda: f"q={q}, n={n} and {mechanism}"))
+        aggregator = build() if workers is None else workers.agree(build, settings)
     except BaseException:
         engine.detach()  # the model as it was: make_private can be called again
         if isinstance(ledger, Ledger) and ledger is not given:
@@ -199,6 +209,15 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
         statistics.release = (aggregator.release if workers is None else
                               partial(workers.release_extra, aggregator))
     return module, private, loader
+
+
+def _optimizer_settings(optimizer) -> str:
+    """The optimizer's class and each parameter group's settings and size: processes that
+    step otherwise would train different models from the same releases."""
+    groups = [{"parameters": len(group["params"]),
+               **{key: value for key, value in group.items() if key != "params"}}
+              for group in optimizer.param_groups]
+    return f"{type(optimizer).__name__} {groups}"
 
 
 def _largest_clip_scale(clip_policy, steps: int) -> float:

@@ -7,6 +7,7 @@ saw to OUT/rank{r}.pt, which the tests compare with single-process runs."""
 
 import math
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -273,6 +274,88 @@ def refusals(out: Path, rank: int) -> dict:
     return {"dtype": dtype, "release": outcome(opt.step)}
 
 
+def other_settings(out: Path, rank: int) -> dict:
+    """Settings of process 1's own, each refused at make_private in both processes: another
+    learning rate, loss reduction, BatchNorm statistics clip or declared metric clip (the
+    models would part, or a process would clip at another bound than process 0's ledger
+    says); a ledger path given to process 1 is named in a warning (process 0 writes it)."""
+    def made(lr=0.5, **options):
+        model = mlp() if "batch_norm" not in options else nn.Sequential(
+            nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3))
+        return outcome(lambda: make_private(
+            model, torch.optim.SGD(model.parameters(), lr=lr), DataLoader(data(), batch_size=4),
+            noise_multiplier=1.0, max_grad_norm=1.0, distributed=True, **options))
+
+    metric = dpcore.Mechanism((dpcore.Group("loss", ("loss",), 1.0 + rank, 4.0),))
+    refused = {"lr": made(lr=0.5 + rank),
+               "loss_reduction": made(loss_reduction="sum" if rank else "mean"),
+               "batch_norm": made(batch_norm=BatchNormStatistics(0.5 + 500 * rank, 3.0)),
+               "metrics": made(metrics=[metric])}
+    model = mlp()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, opt, _ = make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.5), DataLoader(data(), batch_size=4),
+            noise_multiplier=1.0, max_grad_norm=1.0, distributed=True,
+            ledger=out / f"rank{rank}-ledger.jsonl")
+    opt.ledger.close()
+    return {"refused": refused, "warnings": [str(w.message) for w in caught],
+            "ledger_files": sorted(p.name for p in out.glob("rank*-ledger.jsonl"))}
+
+
+TWO_GROUPS = dpcore.Mechanism((dpcore.Group("ga", ("a",), 1.0, 0.0),
+                               dpcore.Group("gb", ("b",), 1000.0, 0.0)))
+
+
+def other_releases(out: Path, rank: int) -> dict:
+    """At q = 1 (8 records a process), metrics released by both processes: with another clip
+    in process 1, refused in both before either records it; with the values' keys in
+    another order in process 1, each value released by its own group (every record's
+    a = b = 100: a clipped to 1, b not)."""
+    model = mlp()
+    model, opt, loader = make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.5),
+        DataLoader(data(16), batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
+        seed=0, distributed=True)
+    x, y, _ = next(iter(loader))
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    events = len(opt.ledger.events)
+    other = dpcore.Mechanism((dpcore.Group("loss", ("loss",), 1.0 + 999 * rank, 0.0),))
+    clip = outcome(lambda: opt.release({"loss": torch.full((8, 1), 100.0)}, other))
+    recorded = len(opt.ledger.events) - events
+    values = {"a": torch.full((8, 1), 100.0), "b": torch.full((8, 1), 100.0)}
+    if rank == 1:
+        values = dict(reversed(values.items()))
+    released = opt.release(values, TWO_GROUPS)
+    return {"clip": clip, "recorded": recorded, "released": released}
+
+
+def other_samples(out: Path, rank: int) -> dict:
+    """Process 1 steps on the loader's second batch while process 0 steps on its first (a
+    loop that skipped a batch); in a second run, process 1 steps on a batch of another
+    DataLoader: both refused in both processes, nothing released."""
+    outcomes, events = {}, {}
+    for case in ("skipped", "foreign"):
+        model = mlp()
+        model, opt, loader = make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.5),
+            DataLoader(data(), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0, seed=0,
+            distributed=True)
+        batches = iter(loader)
+        if rank == 1 and case == "skipped":
+            next(batches)
+        if rank == 1 and case == "foreign":
+            batches = iter(DataLoader(data(), batch_size=4))
+        x, y, _ = next(batches)
+        F.cross_entropy(model(x), y).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # process 1's: a batch of another loader
+            outcomes[case] = outcome(opt.step)
+        events[case] = [type(e).__name__ for e in opt.ledger.events]
+    return {"outcomes": outcomes, "events": events}
+
+
 def main(out: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -286,7 +369,10 @@ def main(out: str) -> None:
                "secure_noise": noise(out, rank, secure=True),
                "nan_record": nan_record(out, rank), "other_clip": other_clip(out, rank),
                "failed_micro_batch": failed_micro_batch(out, rank),
-               "resumed": resumed(out, rank), "refusals": refusals(out, rank)}
+               "resumed": resumed(out, rank), "refusals": refusals(out, rank),
+               "other_settings": other_settings(out, rank),
+               "other_releases": other_releases(out, rank),
+               "other_samples": other_samples(out, rank)}
     torch.save(results, out / f"rank{rank}.pt")
     dist.barrier()  # both done before either tears the group down
     dist.destroy_process_group()

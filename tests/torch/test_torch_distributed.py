@@ -229,6 +229,56 @@ def test_other_models_and_a_failed_release_raise_in_every_process(ranks):
                                       "(its error says why); nothing was applied")
 
 
+def test_settings_of_one_processs_own_are_refused_in_every_process(ranks):
+    """Another learning rate or loss reduction in process 1 (the models would part), or
+    another BatchNorm statistics clip or declared metric clip (it would clip at another
+    bound than process 0's ledger records; the gradient's mechanism is the same): refused
+    at make_private in both. A ledger path given to process 1 is named in a warning."""
+    _, results = ranks
+    for rank, got in enumerate(r["other_settings"] for r in results):
+        for what, refused in got["refused"].items():
+            assert refused is not None and refused[0] == "ValueError", (rank, what, refused)
+            assert refused[1].startswith(f"the processes disagree: process {rank} has q=0.2")
+        assert "rank1-ledger.jsonl" not in got["ledger_files"]
+    settings = results[1]["other_settings"]
+    assert "'lr': 1.5" in settings["refused"]["lr"][1]
+    assert "loss_reduction='sum'" in settings["refused"]["loss_reduction"][1]
+    assert "clip=500.5" in settings["refused"]["batch_norm"][1]
+    assert "clip=2.0" in settings["refused"]["metrics"][1]
+    assert results[0]["other_settings"]["warnings"] == []
+    (warned,) = settings["warnings"]
+    assert "process 1 was given the ledger path" in warned and "rank1-ledger.jsonl" in warned
+
+
+def test_a_release_of_another_clip_is_refused_and_values_are_added_by_name(ranks):
+    """A metric clipped at 1000 in process 1 while process 0's ledger would record 1: both
+    refuse before either records it. Values given in another key order in process 1 are
+    still added leaf by leaf: every record's a = b = 100, a clipped to 1 and b not, over the
+    16 records at q n = 16 (they had been added by position, a's group holding b's values)."""
+    _, results = ranks
+    for rank, got in enumerate(r["other_releases"] for r in results):
+        kind, message = got["clip"]
+        assert kind == "ValueError" and message.startswith(
+            f"the processes disagree: process {rank} has a release at step 0 of")
+        assert f"clip={1.0 + 999 * rank}" in message
+        assert got["recorded"] == 0
+        torch.testing.assert_close(got["released"]["a"], torch.tensor([1.0]))
+        torch.testing.assert_close(got["released"]["b"], torch.tensor([100.0]))
+
+
+def test_steps_on_other_samples_are_refused_in_every_process(ranks):
+    """Process 1 stepping on the loader's next sample (its loop skipped a batch) or on a
+    batch of another DataLoader would add its share of another sample to process 0's:
+    refused in both, with the samples each began on, nothing released."""
+    _, results = ranks
+    for rank, got in enumerate(r["other_samples"] for r in results):
+        for case, sample in (("skipped", 1 + rank), ("foreign", 1 - rank)):
+            kind, message = got["outcomes"][case]
+            assert kind == "ValueError" and "the processes disagree" in message, case
+            assert f"begun on the loader's sample {sample}" in message, case
+            assert got["events"][case] == ["SamplingEvent"]
+
+
 def test_sharded_batch_samplers_split_one_sample():
     whole = list(PoissonBatchSampler(100, 0.3, steps=4, seed=2))
     shards = [list(PoissonBatchSampler(100, 0.3, steps=4, seed=2, shard=(r, 3)))
