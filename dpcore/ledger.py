@@ -138,7 +138,7 @@ def _event_from_json(obj) -> Event:
     if not isinstance(obj, dict):
         raise LedgerError(f"expected a JSON object, got {type(obj).__name__}")
     kind = obj.get("event")
-    if kind not in _EVENT_TYPES:
+    if not isinstance(kind, str) or kind not in _EVENT_TYPES:
         raise LedgerError(f"unknown event type {kind!r}; expected one of {sorted(_EVENT_TYPES)}")
     cls = _EVENT_TYPES[kind]
     names = [f for f in cls.__dataclass_fields__ if f != "kind"]

@@ -40,6 +40,15 @@ def test_ledger_file_and_object_agree(tmp_path):
     assert guarantee(str(path), 1e-6, accountant="rdp").order is not None
 
 
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+@pytest.mark.parametrize("copies", [2, 1100])
+def test_steps_of_one_kind_past_2_to_the_53_are_refused_in_total(accountant, copies):
+    """Each (q, z, 2^53) is accepted alone; their total is refused: summed in int64, 1,100
+    of them wrapped to a negative count and RDP reported epsilon 0."""
+    with pytest.raises(ValueError, match=r"steps at q=0\.01, z=1\.0: at most 2\^53"):
+        epsilon([(0.01, 1.0, 2 ** 53)] * copies, 1e-5, accountant=accountant)
+
+
 def test_steps_that_released_nothing_are_free():
     ledger = Ledger()
     for _ in range(50):

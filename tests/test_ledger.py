@@ -118,6 +118,8 @@ def test_sum_query_needs_a_sampling_event():
     ('{"event":"sum_query","group":"g","clip":1,"noise_std":-1}', r"line 3: .*noise_std must be finite and >= 0, got -1"),
     ('{"event":"sum_query","group":"g","clip":1}', r"line 3: sum_query event lacks field\(s\) \['noise_std'\]"),
     ('{"event":"gradient","q":0.1}', r"line 3: unknown event type 'gradient'"),
+    ('{"event":["sampling"],"q":0.1}', r"line 3: unknown event type \['sampling'\]"),
+    ('{"event":{"k":1},"q":0.1}', r"line 3: unknown event type \{'k': 1\}"),
     ('[1, 2]', r"line 3: expected a JSON object"),
     ('{"event":"sampling",', r"line 3: not valid JSON"),
 ])

@@ -180,6 +180,13 @@ def group_steps(source: Source, *, noise_resolution: float | None = None,
     keys, inverse = np.unique(q + 1j * z, return_inverse=True)  # (q, z) as one sortable key
     counts = np.zeros(keys.size, dtype=np.int64)
     np.add.at(counts, inverse.reshape(-1), c)
+    near = np.zeros(keys.size)  # the same sums in float64, where int64 could wrap past 2^63
+    np.add.at(near, inverse.reshape(-1), c.astype(float))
+    if near.max() > MAX_COUNT:
+        k = int(near.argmax())
+        raise ValueError(f"{near[k]:.4g} steps at q={keys[k].real}, z={keys[k].imag}: at most "
+                         f"2^53 = {MAX_COUNT} steps of one kind are priced (float64 holds "
+                         f"such counts exactly)")
     groups = tuple(Group(float(k.real), float(k.imag), int(n)) for k, n in zip(keys, counts))
     return Composition(groups, infinite, total, rounded)
 
