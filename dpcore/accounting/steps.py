@@ -182,7 +182,7 @@ def group_steps(source: Source, *, noise_resolution: float | None = None,
     np.add.at(counts, inverse.reshape(-1), c)
     near = np.zeros(keys.size)  # the same sums in float64, where int64 could wrap past 2^63
     np.add.at(near, inverse.reshape(-1), c.astype(float))
-    if near.max() > MAX_COUNT:
+    if near.size and near.max() > MAX_COUNT:
         k = int(near.argmax())
         raise ValueError(f"{near[k]:.4g} steps at q={keys[k].real}, z={keys[k].imag}: at most "
                          f"2^53 = {MAX_COUNT} steps of one kind are priced (float64 holds "
