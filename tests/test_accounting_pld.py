@@ -19,6 +19,7 @@ import pytest
 from dpcore.accounting import pld
 from dpcore.accounting.pld import (PLDAccountant, gaussian_delta, gaussian_epsilon,
                                    subsampled_gaussian_delta)
+from dpcore.accounting.rdp import RDPAccountant
 from dpcore.ledger import Step
 
 dp_event = pytest.importorskip("dp_accounting.dp_event")
@@ -137,6 +138,18 @@ def test_gaussian_closed_form():
     assert gaussian_delta(eps, z) <= 1e-5 < gaussian_delta(eps * (1 - 1e-9), z)
     ref = dp_accounting_epsilons([(1.0, 2.0, 3), (1.0, 4.0, 12)], [1e-5])[0]
     assert eps <= ref and eps == pytest.approx(ref, rel=1e-3)
+
+
+def test_full_batch_steps_too_many_to_merge_are_composed_with_the_others():
+    """2,000 steps at q = 1, z = 1 merge into one Gaussian of z = 0.022, whose losses pass
+    what the grid holds: beside a subsampled step, the accountant refused the ledger (naming
+    a z no step had). Composed as they are, the one step at q = 0.01 adds almost nothing to
+    the full-batch steps' closed form, and RDP is above."""
+    alone = PLDAccountant([(1.0, 1.0, 2000)]).epsilon(1e-5)
+    mixed = PLDAccountant([(1.0, 1.0, 2000), (0.01, 1.0, 1)]).epsilon(1e-5)
+    assert alone == gaussian_epsilon(2000 ** -0.5, 1e-5)
+    assert alone <= mixed <= alone * (1 + 1e-5)
+    assert mixed < RDPAccountant([(1.0, 1.0, 2000), (0.01, 1.0, 1)]).epsilon(1e-5)
 
 
 def test_conventions():

@@ -476,6 +476,10 @@ class PLDAccountant:
         if self._composed is None:
             gaussian_z, rest = self._gaussian_and_rest()
             groups = rest + ([Group(1.0, gaussian_z, 1)] if math.isfinite(gaussian_z) else [])
+            if math.isfinite(gaussian_z) and 2 * gaussian_z ** 2 * _MAX_LOSS < 1:
+                # merged, the q = 1 steps' losses would pass what float64 profiles hold
+                # (2,000 steps of z = 1): composed as they are
+                groups = [Group(q, z, c) for (q, z), c in sorted(self._groups.items())]
             total = sum(g.count for g in groups)
             per_step = 2.0 ** math.floor(math.log2(self.tail_mass / max(total, 1)))
             h = self.value_discretization
