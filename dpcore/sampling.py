@@ -36,6 +36,7 @@ class PoissonSampler:
         self.n = check.count("n", n)
         self.q = check.probability("q", q)
         self.steps = None if steps is None else check.count("steps", steps)
+        self.seeded = seed is not None  # its stream repeats whenever it is made again
         self._rng = np.random.default_rng(seed)
 
     @property

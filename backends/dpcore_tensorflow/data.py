@@ -23,19 +23,19 @@ import tensorflow as tf
 from dpcore import _validation as check
 from dpcore.sampling import PoissonSampler
 
-_SAMPLINGS = weakref.WeakKeyDictionary()  # dataset of poisson_dataset -> its sampler's (n, q)
-_SEEDED = weakref.WeakSet()  # datasets of poisson_dataset(seed=...)
+_SAMPLERS = weakref.WeakKeyDictionary()  # dataset of poisson_dataset -> its sampler
 # tf.data's transformations that store the elements they pass and replay them when iterated
 # again (.cache(), .snapshot(), tf.data.experimental.snapshot), by class name
 REPLAYING = frozenset({"CacheDataset", "_SnapshotDataset", "_LegacySnapshotDataset"})
-# ... and those that drop samples by their content (the steps taken would depend on the data)
-# or cut and regroup records (batches that are not the samples drawn), by class name
-REGROUPING = frozenset({
-    "_FilterDataset", "_TakeWhileDataset", "_IgnoreErrorsDataset", "_UniqueDataset",
-    "_BatchDataset", "_PaddedBatchDataset", "_UnbatchDataset", "_RebatchDataset",
-    "_FlatMapDataset", "_InterleaveDataset", "_ParallelInterleaveDataset",
-    "_GroupByWindowDataset", "_WindowDataset", "_ScanDataset"})
-
+# ... and the only ones that may come between a poisson_dataset and fit: each passes every
+# sample on whole and alone, or drops samples by their position, never by their content (a
+# list of those to refuse missed tf.data's parallel and fused batching)
+# (choose_from_datasets and sample_from_datasets, a _DirectedInterleaveDataset, pass whole
+# samples of their data inputs, which alone are walked: its selector is no data)
+PER_SAMPLE = frozenset({
+    "_MapDataset", "_ParallelMapDataset", "_PrefetchDataset", "_OptionsDataset",
+    "_AssertCardinalityDataset", "_RepeatDataset", "_TakeDataset", "_SkipDataset",
+    "_ShardDataset", "_ShuffleDataset", "_DirectedInterleaveDataset"})
 
 def default_capacity(n: int, q: float) -> int:
     """ceil(q n + 4 sqrt(q n)) rounded up to a multiple of 8 (a larger sample still fits, at
@@ -105,28 +105,60 @@ def poisson_dataset(x, y: np.ndarray, *, q: float | None = None, steps: int,
     signature = (tf.nest.map_structure(spec, x), spec(y), tf.TensorSpec((None,), tf.bool))
     dataset = tf.data.Dataset.from_generator(samples, output_signature=signature)
     dataset = dataset.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)
-    _SAMPLINGS[dataset] = (sampler.n, sampler.q)
-    if seed is not None:
-        _SEEDED.add(dataset)
+    _SAMPLERS[dataset] = sampler
     return dataset
 
 
-def samplings(dataset: tf.data.Dataset) -> set[tuple[int, float]]:
-    """The (n, q) of every :func:`poisson_dataset` that ``dataset`` is made from (found by
-    walking back through the datasets' inputs); empty if none."""
-    return {_SAMPLINGS[d] for d in _walk(dataset) if d in _SAMPLINGS}
+def check_fit_dataset(dataset: tf.data.Dataset, aggregator) -> None:
+    """Refuse a dataset whose batches are not the Poisson samples the ledger will price: one
+    not made from :func:`poisson_dataset` at the aggregator's (n, q) (found by walking back
+    through the datasets' inputs); in a resumed run, one whose sampler was seeded apart from
+    the aggregator's; one that stores samples and replays them; and one that passes them
+    through any transformation not in :data:`PER_SAMPLE`."""
+    sources = [d for d in _walk(dataset) if d in _SAMPLERS]
+    found = {(_SAMPLERS[d].n, _SAMPLERS[d].q) for d in sources}
+    if found != {(aggregator.n, aggregator.q)}:
+        got = (f"samples of (n, q) in {sorted(found)}" if found else
+               "a dataset not made by poisson_dataset")
+        raise ValueError(
+            f"a dataset given to a private model's fit must hold Poisson samples at the "
+            f"aggregator's n={aggregator.n}, q={aggregator.q} (the ledger prices its steps so); "
+            f"got {got}. Build it with poisson_dataset(x, y, "
+            f"sampler=private.aggregator.sampler, steps=...)")
+    if aggregator.start_step and any(_SAMPLERS[d].seeded and _SAMPLERS[d] is not
+                                     aggregator.sampler for d in sources):
+        raise ValueError(
+            "a resumed run's dataset draws from a sampler seeded apart from the aggregator's "
+            "(poisson_dataset(seed=...), or a seeded sampler=): it draws, in every session, "
+            "the samples the ledger already prices. Give it sampler=private.aggregator.sampler "
+            "(whose seed moves on with the ledger), or no seed")
+    stored = _transformations(dataset, REPLAYING)
+    if stored:
+        raise ValueError(
+            f"the dataset stores Poisson samples and replays them ({', '.join(stored)}, from "
+            f".cache() or .snapshot()): the steps would repeat samples the ledger prices as "
+            f"independent. Cache the arrays, not the samples: give the records to "
+            f"poisson_dataset as arrays (it draws fresh samples each pass)")
+    altered = _transformations(dataset, PER_SAMPLE, outside=True)
+    if altered:
+        raise ValueError(
+            f"the dataset drops, cuts, regroups or combines Poisson samples "
+            f"({', '.join(altered)}): a filter by content makes the steps taken depend on the "
+            f"data (skipping empty samples, say), and regrouped records, or samples zipped or "
+            f"concatenated with other data, are batches the ledger does not describe. Only "
+            f"map, prefetch, with_options, repeat, take, skip, shard, shuffle and "
+            f"choose_from_datasets (or sample_from_datasets) of whole samples may come "
+            f"between poisson_dataset and fit: transform each sample with map, and train on "
+            f"every sample")
 
 
-def seeded(dataset: tf.data.Dataset) -> bool:
-    """Whether ``dataset`` is made from a :func:`poisson_dataset` of a sampler seeded apart
-    from the aggregator's (``seed=``): every session it is made in draws the same samples."""
-    return any(d in _SEEDED for d in _walk(dataset))
-
-
-def transformations(dataset: tf.data.Dataset, names: frozenset) -> list[str]:
-    """The class names, among ``names``, of the transformations between ``dataset`` and its
-    :func:`poisson_dataset` sources."""
-    return [type(d).__name__ for d in _walk(dataset) if type(d).__name__ in names]
+def _transformations(dataset: tf.data.Dataset, names: frozenset, *,
+                     outside: bool = False) -> list[str]:
+    """The class names, among ``names`` (or, with ``outside``, not among them), of the
+    datasets between ``dataset`` and its :func:`poisson_dataset` sources, and of the first
+    datasets that are not such sources."""
+    return [type(d).__name__ for d in _walk(dataset)
+            if d not in _SAMPLERS and (type(d).__name__ in names) != outside]
 
 
 def _walk(dataset: tf.data.Dataset):
@@ -139,5 +171,6 @@ def _walk(dataset: tf.data.Dataset):
             continue
         seen.add(id(dataset))
         yield dataset
-        if dataset not in _SAMPLINGS:
-            todo.extend(dataset._inputs())
+        if dataset not in _SAMPLERS:
+            todo.extend(dataset._data_inputs if type(dataset).__name__ ==
+                        "_DirectedInterleaveDataset" else dataset._inputs())

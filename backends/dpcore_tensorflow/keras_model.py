@@ -33,8 +33,7 @@ from dpcore import Mechanism, PrivateAggregator, flat, per_layer
 from dpcore.aggregation import NonFiniteNormError
 
 from .bookkeeping import leaf_names
-from .data import (REGROUPING, REPLAYING, default_capacity, poisson_dataset, samplings, seeded,
-                   transformations)
+from .data import check_fit_dataset, default_capacity, poisson_dataset
 from .kernels import refuse_16_bit
 from .step import PrivateGradients, check_strategy, per_example_loss
 
@@ -57,6 +56,19 @@ class _State:
         self.check_source = None  # under several replicas: batches for the check alone
         self.peek = False  # whether Keras may call for a batch the dataset does not have
         self.assigned = None  # the (clips, stds) values the variables hold
+
+
+def _weighted(metrics, weighted_metrics):
+    """Every compiled metric as a weighted one: Keras passes the sample weight (here the
+    padding mask) only to ``weighted_metrics``, so plain metrics counted the padded rows
+    (accuracy 0.49 logged for 0)."""
+    if metrics is None or weighted_metrics is None:
+        return weighted_metrics if metrics is None else metrics
+    if isinstance(metrics, (list, tuple)) and isinstance(weighted_metrics, (list, tuple)):
+        return [*metrics, *weighted_metrics]
+    raise ValueError(f"a private model weighs every metric by its padding mask: give metrics "
+                     f"as one list (metrics= or weighted_metrics=), got metrics={metrics!r} "
+                     f"and weighted_metrics={weighted_metrics!r}")
 
 
 class PrivateModel(keras.Model):
@@ -99,7 +111,9 @@ class PrivateModel(keras.Model):
         if kwargs.get("steps_per_execution", 1) != 1:
             raise ValueError(f"steps_per_execution must be 1 for a private model (the ledger "
                              f"is written before every step), got {kwargs['steps_per_execution']}")
-        super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+        super().compile(optimizer=optimizer, loss=loss,
+                        weighted_metrics=_weighted(metrics, kwargs.pop("weighted_metrics", None)),
+                        **kwargs)
         self._dp_state.dp = None
 
     def _build_dp(self) -> PrivateGradients:
@@ -312,35 +326,7 @@ class PrivateModel(keras.Model):
                     f"a private model's targets y must be one tensor, got {x.element_spec[1]}: "
                     f"it clips one loss per example. For several outputs, combine their losses "
                     f"in one loss function (of y and the outputs)")
-            altered = transformations(x, REGROUPING)
-            if altered:
-                raise ValueError(
-                    f"the dataset drops, cuts or regroups Poisson samples ({', '.join(altered)}): "
-                    f"a filter by content makes the steps taken depend on the data (skipping "
-                    f"empty samples, say), and regrouped records are batches the ledger does not "
-                    f"describe. Transform each sample with map, and train on every sample")
-            stored = transformations(x, REPLAYING)
-            if stored:
-                raise ValueError(
-                    f"the dataset stores Poisson samples and replays them ({', '.join(stored)}, "
-                    f"from .cache() or .snapshot()): the steps would repeat samples the ledger "
-                    f"prices as independent. Cache the arrays, not the samples: give the records "
-                    f"to poisson_dataset as arrays (it draws fresh samples each pass)")
-            agg, found = self.aggregator, samplings(x)
-            if agg.start_step and seeded(x):
-                raise ValueError(
-                    "a resumed run's dataset was made by poisson_dataset(seed=...): a seed of "
-                    "its own draws, in every session, the samples the ledger already prices. "
-                    "Give it sampler=private.aggregator.sampler (whose seed moves on with the "
-                    "ledger), or no seed")
-            if found != {(agg.n, agg.q)}:
-                got = (f"samples of (n, q) in {sorted(found)}" if found else
-                       "a dataset not made by poisson_dataset")
-                raise ValueError(
-                    f"a dataset given to a private model's fit must hold Poisson samples at the "
-                    f"aggregator's n={agg.n}, q={agg.q} (the ledger prices its steps so); got "
-                    f"{got}. Build it with poisson_dataset(x, y, "
-                    f"sampler=private.aggregator.sampler, steps=...)")
+            check_fit_dataset(x, self.aggregator)
         else:
             steps = steps_per_epoch or max(1, round(1 / self.aggregator.q))
             agg = self.aggregator  # batches cut evenly over the replicas

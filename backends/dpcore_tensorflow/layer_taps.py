@@ -55,11 +55,15 @@ def check_no_grouped_convolutions(model: keras.layers.Layer) -> None:
 
 
 def check_no_regularizers(model: keras.layers.Layer) -> None:
-    """Raise for layers with regularizers: the DP step differentiates only the per-example
+    """Raise for layers with regularizers (a layer's ``*_regularizer`` attributes, or a
+    weight's own, from ``add_weight``): the DP step differentiates only the per-example
     losses, so a regularization loss would be silently left out."""
     for layer in model._flatten_layers(include_self=True, recursive=True):
         found = [name for name, value in vars(layer).items()
                  if name.endswith("regularizer") and value is not None]
+        found += [f"a regularizer on its weight {v.path!r} (add_weight(regularizer=...))"
+                  for v in layer._trainable_variables
+                  if getattr(v, "regularizer", None) is not None]
         if found:
             raise ValueError(f"layer {layer.name!r} has {', '.join(sorted(found))}; the DP step "
                              f"clips per-example losses only and would ignore it. Remove it "

@@ -251,6 +251,23 @@ def test_regularizers_are_refused_not_ignored():
         ClippedGradients(model)
 
 
+def test_a_regularizer_of_add_weight_is_refused_not_ignored():
+    """Keras 3 keeps add_weight(regularizer=...) on the variable, not the layer: its loss
+    (80 here) was left out of the step without a word."""
+    class Scaled(L.Layer):
+        def build(self, shape):
+            self.w = self.add_weight(shape=(shape[-1], 2), dtype="float64",
+                                     regularizer=keras.regularizers.L2(10.0))
+
+        def call(self, x):
+            return x @ self.w
+
+    model = _model([Scaled(dtype="float64")], (4,))
+    with pytest.raises(ValueError, match=r"regularizer on its weight '\S*scaled\S*'.*"
+                                         r"weight_decay"):
+        ClippedGradients(model)
+
+
 def _float32_convs():
     """Conv layers (strides, same and causal padding, dilation, a layer called twice) in
     float32, the dtype of the grouped filter-gradient path."""

@@ -161,6 +161,22 @@ def test_fit_writes_the_ledger_before_each_step_is_released(tmp_path):
     assert history.history["loss"][1] < history.history["loss"][0]
 
 
+def test_compiled_metrics_leave_the_padding_rows_out():
+    """Keras passes the sample weight (the padding mask) only to weighted_metrics: plain
+    metrics counted the zero rows that pad each sample (accuracy 0.49 logged for 0)."""
+    n = 200
+    model = keras.Sequential([keras.Input((4,)), L.Dense(
+        2, kernel_initializer="zeros", bias_initializer=keras.initializers.Constant([1.0, 0.0]))])
+    private = make_private(model, n=n, batch_size=20, noise_multiplier=1.0, seed=0)
+    private.compile(optimizer=keras.optimizers.SGD(0.0), loss=CE, metrics=["accuracy"],
+                    weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="weighted")])
+    history = private.fit(np.ones((n, 4), "float32"), np.ones(n, "int32"), verbose=0)
+    assert history.history["accuracy"] == history.history["weighted"] == [0.0]
+    with pytest.raises(ValueError, match="give metrics as one list"):
+        private.compile(optimizer="sgd", loss=CE, metrics={"out": ["accuracy"]},
+                        weighted_metrics=["accuracy"])
+
+
 def test_fit_rejects_batch_size_and_multi_step_execution():
     private = make_private(cnn(), n=100, batch_size=10)
     with pytest.raises(ValueError, match="steps_per_execution"):
@@ -312,23 +328,38 @@ def test_fit_refuses_a_dataset_not_sampled_at_the_aggregators_n_and_q(source):
     assert len(agg.ledger.events) == 0
 
 
-@pytest.mark.parametrize("change", ["filter", "batch", "unbatch", "flat_map"])
+@pytest.mark.parametrize("change", ["filter", "batch", "unbatch", "flat_map", "parallel_batch",
+                                    "map_and_batch", "zipped_with_own_batches"])
 def test_fit_refuses_a_dataset_that_drops_or_regroups_samples(change):
     """A filter by content makes the steps taken depend on the data (skipping empty samples,
     say: the dataset looked like the aggregator's and was trained on); regrouped records are
-    batches the ledger does not describe."""
+    batches the ledger does not describe: two samples merged in one step (tf.data's parallel
+    and fused batching had passed a list of names to refuse), or fixed batches zipped with
+    the samples."""
     x, y = data(40, seed=10)
     private = make_private(cnn(10), n=40, batch_size=4, noise_multiplier=1.0, seed=0)
     private.compile(optimizer="sgd", loss=CE)
     agg = private.aggregator
     dataset = poisson_dataset(x, y, sampler=agg.sampler, steps=2)
+    own = tf.data.Dataset.from_tensor_slices(
+        (x.reshape(10, 4, *x.shape[1:]), y.reshape(10, 4), np.ones((10, 4), bool)))
+
+    def merge(x, y, mask):  # two padded samples as one batch
+        return (tf.reshape(x, (-1, *x.shape[2:])), tf.reshape(y, (-1,)),
+                tf.reshape(mask, (-1,)))
+
     changed = {
         "filter": lambda: dataset.filter(lambda x, y, mask: tf.reduce_any(mask)),
         "batch": lambda: dataset.batch(1).map(lambda x, y, m: (x[0], y[0], m[0])),
         "unbatch": lambda: dataset.unbatch().batch(4),
         "flat_map": lambda: dataset.flat_map(
-            lambda *batch: tf.data.Dataset.from_tensors(batch).repeat(2))}[change]()
-    with pytest.raises(ValueError, match="drops, cuts or regroups Poisson samples"):
+            lambda *batch: tf.data.Dataset.from_tensors(batch).repeat(2)),
+        "parallel_batch": lambda: dataset.batch(2, num_parallel_calls=2).map(merge),
+        "map_and_batch": lambda: dataset.apply(
+            tf.data.experimental.map_and_batch(lambda *b: b, 2)).map(merge),
+        "zipped_with_own_batches": lambda: tf.data.Dataset.zip(dataset, own).map(
+            lambda sample, batch: batch)}[change]()
+    with pytest.raises(ValueError, match="drops, cuts, regroups or combines Poisson samples"):
         private.fit(changed, epochs=1, verbose=0)
     assert len(agg.ledger.events) == 0
 
@@ -719,9 +750,11 @@ def test_a_trainable_set_changed_since_make_private_is_refused(frozen_at_make_pr
     assert len(private.aggregator.ledger.events) == 0
 
 
-def test_a_resumed_fit_refuses_a_dataset_seeded_apart_from_the_aggregator(tmp_path):
-    """poisson_dataset(seed=7) drew, in the resumed session, the very samples of the first;
-    the ledger priced the repeats as fresh Poisson samples."""
+@pytest.mark.parametrize("seeded", ["seed", "sampler"])
+def test_a_resumed_fit_refuses_a_dataset_seeded_apart_from_the_aggregator(tmp_path, seeded):
+    """poisson_dataset(seed=7), or poisson_dataset(sampler=PoissonSampler(n, q, seed=7)),
+    drew, in the resumed session, the very samples of the first; the ledger priced the
+    repeats as fresh Poisson samples."""
     n, q, path = 32, 0.25, tmp_path / "run.jsonl"
     x, y = np.arange(n, dtype="float32")[:, None], np.zeros((n, 1), "float32")
     for session in range(2):
@@ -730,11 +763,12 @@ def test_a_resumed_fit_refuses_a_dataset_seeded_apart_from_the_aggregator(tmp_pa
         private = make_private(model, n=n, q=q, noise_multiplier=1.0, ledger=path,
                                check_independence=False)
         private.compile(optimizer="sgd", loss="mse")
-        data = poisson_dataset(x, y, q=q, seed=7, steps=3)
+        data = (poisson_dataset(x, y, q=q, seed=7, steps=3) if seeded == "seed" else
+                poisson_dataset(x, y, sampler=dpcore.PoissonSampler(n, q, seed=7), steps=3))
         if session == 0:
             private.fit(data, epochs=1, verbose=0)
         else:
-            with pytest.raises(ValueError, match=r"poisson_dataset\(seed=...\)"):
+            with pytest.raises(ValueError, match=r"poisson_dataset\(seed=...\), or a seeded"):
                 private.fit(data, epochs=1, verbose=0)
             private.fit(poisson_dataset(x, y, sampler=private.aggregator.sampler, steps=3),
                         epochs=1, verbose=0)
