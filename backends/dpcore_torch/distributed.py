@@ -48,9 +48,13 @@ _NONE, _NONFINITE, _OTHER = 0, 1, 2  # what failed, in the agreement's flag (the
 
 
 def _release_taken(aggregator, per_record: Mapping, mechanism) -> str:
-    """What makes a release of ``mechanism`` the same in every process."""
-    values = [(leaf, tuple(getattr(v, "shape", ())[1:]), str(getattr(v, "dtype", type(v))))
-              for leaf, v in sorted(per_record.items())]
+    """What makes a release of ``mechanism`` the same in every process (formed in the
+    agreement, so it must not raise: the release's own checks name bad values)."""
+    try:
+        values = sorted((str(leaf), tuple(v.shape[1:]), str(v.dtype))
+                        for leaf, v in per_record.items())
+    except Exception:  # not a mapping of arrays
+        values = type(per_record).__name__
     return f"a release at step {aggregator.step} of {values} by {mechanism}"
 
 

@@ -214,8 +214,11 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
 def _optimizer_settings(optimizer) -> str:
     """The optimizer's class and each parameter group's settings and size: processes that
     step otherwise would train different models from the same releases."""
+    def plain(value):  # an object's address differs between processes
+        return type(value).__qualname__ if " at 0x" in repr(value) else value
+
     groups = [{"parameters": len(group["params"]),
-               **{key: value for key, value in group.items() if key != "params"}}
+               **{key: plain(value) for key, value in group.items() if key != "params"}}
               for group in optimizer.param_groups]
     return f"{type(optimizer).__name__} {groups}"
 

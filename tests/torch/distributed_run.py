@@ -278,7 +278,8 @@ def other_settings(out: Path, rank: int) -> dict:
     """Settings of process 1's own, each refused at make_private in both processes: another
     learning rate, loss reduction, BatchNorm statistics clip or declared metric clip (the
     models would part, or a process would clip at another bound than process 0's ledger
-    says); a ledger path given to process 1 is named in a warning (process 0 writes it)."""
+    says); a function among the optimizer's settings is compared by its type, not its address;
+    a ledger path given to process 1 is named in a warning (process 0 writes it)."""
     def made(lr=0.5, **options):
         model = mlp() if "batch_norm" not in options else nn.Sequential(
             nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3))
@@ -292,6 +293,12 @@ def other_settings(out: Path, rank: int) -> dict:
                "batch_norm": made(batch_norm=BatchNormStatistics(0.5 + 500 * rank, 3.0)),
                "metrics": made(metrics=[metric])}
     model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    optimizer.param_groups[0]["warmup"] = lambda step: 1.0  # its repr holds its address
+    accepted = outcome(lambda: make_private(
+        model, optimizer, DataLoader(data(), batch_size=4), noise_multiplier=1.0,
+        max_grad_norm=1.0, distributed=True))
+    model = mlp()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, opt, _ = make_private(
@@ -299,7 +306,8 @@ def other_settings(out: Path, rank: int) -> dict:
             noise_multiplier=1.0, max_grad_norm=1.0, distributed=True,
             ledger=out / f"rank{rank}-ledger.jsonl")
     opt.ledger.close()
-    return {"refused": refused, "warnings": [str(w.message) for w in caught],
+    return {"refused": refused, "accepted": accepted,
+            "warnings": [str(w.message) for w in caught],
             "ledger_files": sorted(p.name for p in out.glob("rank*-ledger.jsonl"))}
 
 

@@ -240,6 +240,7 @@ def test_settings_of_one_processs_own_are_refused_in_every_process(ranks):
             assert refused is not None and refused[0] == "ValueError", (rank, what, refused)
             assert refused[1].startswith(f"the processes disagree: process {rank} has q=0.2")
         assert "rank1-ledger.jsonl" not in got["ledger_files"]
+        assert got["accepted"] is None  # a function in a parameter group: its type compared
     settings = results[1]["other_settings"]
     assert "'lr': 1.5" in settings["refused"]["lr"][1]
     assert "loss_reduction='sum'" in settings["refused"]["loss_reduction"][1]
