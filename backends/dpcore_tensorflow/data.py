@@ -29,13 +29,14 @@ _SAMPLERS = weakref.WeakKeyDictionary()  # dataset of poisson_dataset -> its sam
 REPLAYING = frozenset({"CacheDataset", "_SnapshotDataset", "_LegacySnapshotDataset"})
 # ... and the only ones that may come between a poisson_dataset and fit: each passes every
 # sample on whole and alone, or drops samples by their position, never by their content (a
-# list of those to refuse missed tf.data's parallel and fused batching)
-# (choose_from_datasets and sample_from_datasets, a _DirectedInterleaveDataset, pass whole
-# samples of their data inputs, which alone are walked: its selector is no data)
+# list of those to refuse had missed tf.data's parallel and fused batching). A
+# _DirectedInterleaveDataset (choose_from_datasets, sample_from_datasets) passes whole
+# samples of its data inputs, which alone are walked: its selector is no data.
 PER_SAMPLE = frozenset({
     "_MapDataset", "_ParallelMapDataset", "_PrefetchDataset", "_OptionsDataset",
     "_AssertCardinalityDataset", "_RepeatDataset", "_TakeDataset", "_SkipDataset",
     "_ShardDataset", "_ShuffleDataset", "_DirectedInterleaveDataset"})
+
 
 def default_capacity(n: int, q: float) -> int:
     """ceil(q n + 4 sqrt(q n)) rounded up to a multiple of 8 (a larger sample still fits, at
