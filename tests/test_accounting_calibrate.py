@@ -26,6 +26,14 @@ def test_noise_multiplier_near_the_smallest_the_pld_accountant_prices():
     assert z < MIN_NOISE_MULTIPLIER and epsilon([(0.01, z, 10)], 1e-5, accountant="rdp") <= 1e6
 
 
+def test_full_batch_noise_below_the_pld_grids_smallest_z_is_calibrated():
+    """At q = 1 the PLD accountant prices any z in closed form: a target needing z below
+    the grids' smallest was refused, naming a floor that does not apply."""
+    z = calibrate_noise_multiplier(5000.0, 1e-5, 1.0, 1)
+    assert z < MIN_NOISE_MULTIPLIER
+    assert epsilon([(1.0, z, 1)], 1e-5) <= 5000.0 < epsilon([(1.0, z * (1 - 1e-3), 1)], 1e-5)
+
+
 def test_sampling_rate():
     q = calibrate_sampling_rate(2.0, 1e-5, 1.0, 1000)
     assert epsilon([(q, 1.0, 1000)], 1e-5) <= 2.0

@@ -65,11 +65,12 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, q: float, st
         if hi > 1e8:
             raise ValueError(f"no noise multiplier up to 1e8 reaches epsilon {target_epsilon} "
                              f"at delta {delta}")
-    floor = MIN_NOISE_MULTIPLIER if accountant == "pld" else 1e-6  # the smallest z tried
+    # the smallest z tried: PLD's grids hold no smaller one, but price q = 1 in closed form
+    floor = MIN_NOISE_MULTIPLIER if accountant == "pld" and q < 1 else 1e-6
     lo = hi / 2
     while excess(lo) <= 0:
         if lo == floor:
-            if accountant == "pld":
+            if floor == MIN_NOISE_MULTIPLIER:
                 raise ValueError(
                     f"epsilon {target_epsilon} at delta {delta} needs a noise multiplier below "
                     f"{floor:.4g}, the smallest the PLD accountant prices; use "
