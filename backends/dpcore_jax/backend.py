@@ -71,11 +71,26 @@ def one_example_loss(loss_fn: Callable) -> Callable:
     return loss
 
 
+def kept_per_loss(build: Callable) -> Callable:
+    """``build(loss_fn, *key)`` (a compiled program), kept for the 64 (loss, key) used last;
+    a bound method is built anew each time: ``model.loss`` is a new object at every access,
+    equal to the last, and the attributes it reads may have changed since (a program is the
+    loss as traced)."""
+    kept = functools.lru_cache(maxsize=64)(build)
+
+    @functools.wraps(build)
+    def program(loss_fn: Callable, *key):
+        return build(loss_fn, *key) if inspect.ismethod(loss_fn) else kept(loss_fn, *key)
+    return program
+
+
 def _per_example_grads(loss_fn, params, batch):
     return jax.vmap(jax.grad(one_example_loss(loss_fn)), in_axes=(None, 0))(params, batch)
 
 
-_per_example_grads_jit = jax.jit(_per_example_grads, static_argnums=0)
+@kept_per_loss
+def _per_example_grads_program(loss_fn: Callable) -> Callable:
+    return jax.jit(functools.partial(_per_example_grads, loss_fn))
 
 
 class JaxBackend(contract.Backend):
@@ -105,13 +120,9 @@ class JaxBackend(contract.Backend):
 
     def per_example_grads(self, loss_fn: Callable, params: Mapping[str, Any], batch) -> dict:
         """``{leaf name: (B, *leaf shape)}`` by ``jit(vmap(grad))``; ``params`` may be any
-        pytree (leaf names as in :mod:`dpcore_jax.names`). The program is kept per loss,
-        but a bound method is traced anew (as in :func:`dpcore_jax.grad.clipping_kernel`)."""
-        if inspect.ismethod(loss_fn):
-            grads = jax.jit(functools.partial(_per_example_grads, loss_fn))(params, batch)
-        else:
-            grads = _per_example_grads_jit(loss_fn, params, batch)
-        return named_leaves(grads)
+        pytree (leaf names as in :mod:`dpcore_jax.names`); the program is kept per loss
+        (:func:`kept_per_loss`)."""
+        return named_leaves(_per_example_grads_program(loss_fn)(params, batch))
 
     def per_example_sq_norms(self, loss_fn: Callable, params: Mapping[str, Any], batch):
         """Squared per-example gradient norms (B, L): columns in ``params`` order for a flat

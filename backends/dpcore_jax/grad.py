@@ -13,8 +13,6 @@ gives those records weight 0 and needs no read-back.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import Callable
 
 import jax
@@ -22,7 +20,7 @@ import jax
 from dpcore.aggregation import NonFiniteNormError
 from dpcore.queries import Group, Mechanism
 
-from .backend import JaxBackend, refuse_tracers
+from .backend import JaxBackend, kept_per_loss, refuse_tracers
 from .clipping import check_host_mask, clipped_sums, noisy_mean
 from .noise import NoiseSource
 
@@ -139,19 +137,9 @@ def clip_free(mechanism: Mechanism) -> Mechanism:
                      mechanism.microbatch_size)
 
 
+@kept_per_loss
 def clipping_kernel(loss_fn: Callable, structure: Mechanism) -> Callable:
     """``jit(clipped_sums(loss_fn, structure, with_factors=True))`` called as
     ``kernel(params, batch, mask, clips)``, built once per loss and :func:`clip_free`
-    mechanism. A bound method is built anew each time: ``model.loss`` is a new object at
-    every access, equal to the last, and the attributes it reads may have changed since
-    (a kernel is the loss as traced)."""
-    if inspect.ismethod(loss_fn):
-        return _kernel(loss_fn, structure)
-    return _cached_kernel(loss_fn, structure)
-
-
-def _kernel(loss_fn: Callable, structure: Mechanism) -> Callable:
+    mechanism (a bound method anew each time: :func:`~dpcore_jax.backend.kept_per_loss`)."""
     return jax.jit(clipped_sums(loss_fn, structure, with_factors=True))
-
-
-_cached_kernel = functools.lru_cache(maxsize=64)(_kernel)
