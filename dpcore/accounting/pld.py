@@ -195,10 +195,16 @@ def connect_the_dots(profile, reverse_profile, lo: float, hi: float, h: float) -
     return DiscretePLD(i0, masses, min(last_delta, 1.0), h)
 
 
+def _losses_fit(z: float) -> bool:
+    """Whether a step of noise multiplier z has losses float64 profiles can represent: the
+    loss of x = 1 is about 1 / (2 z^2) + log q, which must stay within ``_MAX_LOSS``."""
+    return 2 * z * z * _MAX_LOSS >= 1
+
+
 def subsampled_gaussian_pld(q: float, z: float, direction: str, h: float,
                             tail_mass: float) -> DiscretePLD:
     """Dominating discrete PLD of one step; the grid covers all but ``tail_mass`` of P."""
-    if 2 * z * z * _MAX_LOSS < 1:  # the loss of x = 1 is about 1 / (2 z^2) + log q
+    if not _losses_fit(z):
         raise ValueError(
             f"noise multiplier z={z} is too small for the PLD accountant: its privacy losses "
             f"reach 1 / (2 z^2) = {0.5 / max(z * z, 1e-300):.4g}, beyond the {_MAX_LOSS:g} its "
@@ -475,10 +481,11 @@ class PLDAccountant:
     def _compose_all(self) -> dict[str, ComposedPLD]:
         if self._composed is None:
             gaussian_z, rest = self._gaussian_and_rest()
-            groups = rest + ([Group(1.0, gaussian_z, 1)] if math.isfinite(gaussian_z) else [])
-            if math.isfinite(gaussian_z) and 2 * gaussian_z ** 2 * _MAX_LOSS < 1:
-                # merged, the q = 1 steps' losses would pass what float64 profiles hold
-                # (2,000 steps of z = 1): composed as they are
+            if math.isinf(gaussian_z):
+                groups = rest
+            elif _losses_fit(gaussian_z):
+                groups = rest + [Group(1.0, gaussian_z, 1)]
+            else:  # merged, the q = 1 steps' losses would not fit (2,000 steps of z = 1)
                 groups = [Group(q, z, c) for (q, z), c in sorted(self._groups.items())]
             total = sum(g.count for g in groups)
             per_step = 2.0 ** math.floor(math.log2(self.tail_mass / max(total, 1)))
