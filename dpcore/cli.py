@@ -290,9 +290,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _attached_negative_values(argv: Sequence[str]) -> list[str]:
+    """``argv`` with each option followed by a negative number written ``--option=-1e-5``.
+
+    argparse takes only ``-1`` and ``-.5`` for negative numbers; ``-1e-5`` or ``-inf`` it
+    reads as an unknown option and reports a missing value, hiding the range error that
+    names the value. Pytest's arguments after ``conformance`` are passed on as they are.
+    """
+    argv = list(argv)
+    if argv[:1] == ["conformance"]:
+        return argv
+    out: list[str] = []
+    for token in argv:
+        if out and _is_negative_number(token) and out[-1].startswith("-") \
+                and "=" not in out[-1] and not _is_negative_number(out[-1]):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
+def _is_negative_number(token: str) -> bool:
+    if not token.startswith("-"):
+        return False
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_attached_negative_values(sys.argv[1:] if argv is None else argv))
     from .ledger import LedgerError
     try:
         status = args.run(args)

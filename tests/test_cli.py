@@ -47,6 +47,10 @@ def test_epsilon_conventions(capsys):
     (["epsilon", "-q", "0.1", "-z", "1", "-T", "-10", "--delta", "1e-5"], "steps"),
     (["epsilon", "-q", "0.1", "-z", "1", "-T", "10", "--delta", "0"], "delta must be in"),
     (["epsilon", "-q", "0.1", "-z", "1", "-T", "10", "--delta", "1"], "delta must be in"),
+    # negative numbers argparse would read as options: the range error still names the value
+    (["epsilon", "-q", "0.1", "-z", "1", "-T", "10", "--delta", "-1e-5"], "got -1e-05"),
+    (["epsilon", "-q", "-1e-3", "-z", "1", "-T", "10", "--delta", "1e-5"], "got -0.001"),
+    (["epsilon", "-q", "0.1", "-z", "-inf", "-T", "10", "--delta", "1e-5"], "got -inf"),
     (["calibrate", "--target-epsilon", "-1", "--delta", "1e-5", "-q", "0.1", "-T", "10"],
      "target_epsilon"),
     (["calibrate", "--target-epsilon", "1", "--delta", "1e-5", "-q", "0.1"], "exactly two"),
