@@ -207,7 +207,10 @@ class Ledger:
         if self.path is None:
             return
         # "a+": created if missing, never truncated by opening; locked before it is read
-        self._file = open(self.path, "a+", encoding="utf-8", newline="\n")
+        try:
+            self._file = open(self.path, "a+", encoding="utf-8", newline="\n")
+        except OSError as exc:  # a directory, no permission, a missing parent directory
+            raise LedgerError(f"cannot open ledger {self.path} for writing: {exc}") from None
         try:
             _lock(self._file, self.path)
             if self._file.seek(0, os.SEEK_END) == 0:

@@ -157,6 +157,12 @@ def test_bad_headers(tmp_path):
         read_ledger(path)
     with pytest.raises(LedgerError, match="cannot read ledger"):
         read_ledger(tmp_path / "missing.jsonl")
+    with pytest.raises(LedgerError, match="cannot read ledger"):
+        read_ledger(tmp_path)
+    with pytest.raises(LedgerError, match=f"cannot open ledger {tmp_path} for writing"):
+        Ledger(tmp_path)
+    with pytest.raises(LedgerError, match="cannot open ledger .*missing/l.jsonl for writing"):
+        Ledger(tmp_path / "missing" / "l.jsonl")
 
 
 def test_unknown_fields_are_ignored_for_forward_compatibility(tmp_path):
