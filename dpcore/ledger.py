@@ -389,6 +389,9 @@ def _parse(path: Path, *, allow_torn_tail: bool) -> tuple[Header, list[Event], i
             pass
     header, events, sampling_seen = None, [], False
     for number, raw in enumerate(complete, start=1):
+        if not raw.strip():
+            raise LedgerError(f"{path}, line {number}: blank line (a ledger holds one JSON "
+                              f"object per line, with no blank lines; edited by hand?)")
         try:
             obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:

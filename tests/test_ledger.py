@@ -157,6 +157,10 @@ def test_bad_headers(tmp_path):
         read_ledger(path)
     with pytest.raises(LedgerError, match="cannot read ledger"):
         read_ledger(tmp_path / "missing.jsonl")
+    path.write_text('{"format":"dpcore-ledger","version":1,"neighbouring":"add_or_remove_one_record","record":"example"}\n'
+                    '{"event":"sampling","q":0.1,"n":5}\n\n')
+    with pytest.raises(LedgerError, match="line 3: blank line"):
+        read_ledger(path)
     with pytest.raises(LedgerError, match="cannot read ledger"):
         read_ledger(tmp_path)
     with pytest.raises(LedgerError, match=f"cannot open ledger {tmp_path} for writing"):
