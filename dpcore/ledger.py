@@ -368,6 +368,21 @@ def merge_steps(steps: Iterable[Step]) -> list[Step]:
     return merged
 
 
+_DISTINCT_LINES_KEPT = 4096
+_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys)
+
+
+def _json_line(path: Path, number: int, raw: bytes):
+    """The JSON value on line ``number`` of the ledger at ``path``."""
+    if not raw.strip():
+        raise LedgerError(f"{path}, line {number}: blank line (a ledger holds one JSON "
+                          f"object per line, with no blank lines; edited by hand?)")
+    try:
+        return _DECODER.decode(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise LedgerError(f"{path}, line {number}: not valid JSON ({exc})") from None
+
+
 def _parse(path: Path, *, allow_torn_tail: bool) -> tuple[Header, list[Event], int, bool]:
     """Header, events, the byte length of the valid part of the file at ``path``, and whether
     that part ends with a newline."""
@@ -388,21 +403,21 @@ def _parse(path: Path, *, allow_torn_tail: bool) -> tuple[Header, list[Event], i
         except (ValueError, RecursionError):  # nested too deep to be an event: not one
             pass
     header, events, sampling_seen = None, [], False
+    seen: dict[bytes, Event] = {}  # a run repeats its lines: each distinct one is parsed once
     for number, raw in enumerate(complete, start=1):
-        if not raw.strip():
-            raise LedgerError(f"{path}, line {number}: blank line (a ledger holds one JSON "
-                              f"object per line, with no blank lines; edited by hand?)")
-        try:
-            obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            raise LedgerError(f"{path}, line {number}: not valid JSON ({exc})") from None
-        try:
-            if number == 1:
-                header = _header_from_json(obj)
-                continue
-            event = _event_from_json(obj)
-        except LedgerError as exc:
-            raise LedgerError(f"{path}, line {number}: {exc}") from None
+        event = seen.get(raw)
+        if event is None:
+            obj = _json_line(path, number, raw)
+            try:
+                if number == 1:
+                    header = _header_from_json(obj)
+                    continue
+                event = _event_from_json(obj)
+            except LedgerError as exc:
+                raise LedgerError(f"{path}, line {number}: {exc}") from None
+            if len(seen) == _DISTINCT_LINES_KEPT:
+                seen.clear()
+            seen[raw] = event
         if isinstance(event, SamplingEvent):
             sampling_seen = True
         elif not sampling_seen:
