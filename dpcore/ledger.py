@@ -15,6 +15,7 @@ know. An unknown event type is an error, since an accountant cannot price it. Se
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import warnings
@@ -357,13 +358,28 @@ def _noise_multiplier(queries: Sequence[SumQueryEvent]) -> float:
     return effective_noise_multiplier((query.clip, query.noise_std) for query in queries)
 
 
+NOISE_TIE = 1e-12
+"""Noise multipliers this close (relative) are one: a step's z is computed from the recorded
+``noise_std / clip`` of its queries, which moves it by a few ulps when the clips change (as
+under adaptive clipping). Tied values take the smaller, which never lowers epsilon."""
+
+
+def tied(z1: float, z2: float) -> bool:
+    """Whether two noise multipliers are equal up to :data:`NOISE_TIE`."""
+    return z1 == z2 or (math.isfinite(z1) and math.isfinite(z2)
+                        and abs(z1 - z2) <= NOISE_TIE * max(z1, z2))
+
+
 def merge_steps(steps: Iterable[Step]) -> list[Step]:
-    """Merge runs of consecutive steps with equal (q, z), adding their counts."""
+    """Merge runs of consecutive steps with equal q and tied z (the smaller z kept), adding
+    their counts."""
     merged: list[Step] = []
     for step in steps:
-        if merged and (merged[-1].q, merged[-1].noise_multiplier) == (step.q, step.noise_multiplier):
+        if merged and merged[-1].q == step.q and tied(merged[-1].noise_multiplier,
+                                                      step.noise_multiplier):
             last = merged.pop()
-            step = Step(step.q, step.noise_multiplier, last.count + step.count)
+            step = Step(step.q, min(last.noise_multiplier, step.noise_multiplier),
+                        last.count + step.count)
         merged.append(step)
     return merged
 

@@ -10,6 +10,7 @@ from dpcore.accounting import (Guarantee, PLDAccountant, calibrate_noise_multipl
                                epsilon_from_rdp, guarantee, make_accountant, remaining_steps)
 from dpcore.accounting.guarantee import _largest_true
 from dpcore.accounting.rdp import RDPAccountant, _step_rdp, rdp_subsampled_gaussian
+from dpcore.accounting.steps import Group, group_steps
 from dpcore.ledger import Ledger, LedgerError, Step, SumQueryEvent, read_ledger
 
 
@@ -47,6 +48,19 @@ def test_steps_of_one_kind_past_2_to_the_53_are_refused_in_total(accountant, cop
     of them wrapped to a negative count and RDP reported epsilon 0."""
     with pytest.raises(ValueError, match=r"steps at q=0\.01, z=1\.0: at most 2\^53"):
         epsilon([(0.01, 1.0, 2 ** 53)] * copies, 1e-5, accountant=accountant)
+
+
+def test_noise_multipliers_a_few_ulps_apart_are_priced_as_one_at_the_smaller():
+    z = 1.1
+    near = math.nextafter(math.nextafter(z, 2), 2)  # 1.1000000000000003
+    far = z * (1 + 1e-9)
+    composition = group_steps([(0.01, near, 3), (0.01, z, 2), (0.02, near, 1), (0.01, far, 1),
+                               (0.01, math.inf, 4)])
+    assert composition.groups == (Group(0.01, z, 5), Group(0.01, far, 1), Group(0.02, z, 1))
+    assert composition.steps == 11 and not composition.rounded
+    for accountant in ("pld", "rdp"):
+        assert epsilon([(0.01, near, 3), (0.01, z, 2)], 1e-5, accountant=accountant) == \
+            epsilon([(0.01, z, 5)], 1e-5, accountant=accountant)
 
 
 def test_steps_that_released_nothing_are_free():

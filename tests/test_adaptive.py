@@ -39,11 +39,9 @@ def test_ledger_multiplier_of_adaptive_clipping_equals_plain_dpsgd(grouping):
     for _ in range(5):
         idx = agg.sample()
         agg.release({"w": rng.normal(size=(len(idx), 6)), "b": rng.normal(size=(len(idx), 2))})
-    steps = agg.ledger.steps()
-    assert sum(s.count for s in steps) == 5
-    for step in steps:
-        assert step.q == Q
-        assert step.noise_multiplier == pytest.approx(z, rel=1e-12)
+    [step] = agg.ledger.steps()  # one run: the ulps the moving clips add are a tie
+    assert step.q == Q and step.count == 5
+    assert step.noise_multiplier == pytest.approx(z, rel=1e-12)
     plain = [(Q, z, 5)]
     for accountant in ("rdp", "pld"):
         assert epsilon(agg.ledger, 1e-5, accountant=accountant) == pytest.approx(

@@ -55,6 +55,13 @@ def test_round_trip_and_step_reduction(tmp_path):
 def test_merge_steps_merges_only_consecutive_equal_steps():
     steps = [Step(0.1, 1.0), Step(0.1, 1.0), Step(0.1, 2.0), Step(0.1, 1.0, 5)]
     assert merge_steps(steps) == [Step(0.1, 1.0, 2), Step(0.1, 2.0, 1), Step(0.1, 1.0, 5)]
+    # z computed from noise_std / clip differs by ulps when the clips change: one run, at
+    # the smaller z; a real difference, or inf beside a finite z, is not a tie
+    up = math.nextafter(math.nextafter(1.1, 2), 2)
+    steps = [Step(0.1, up), Step(0.1, 1.1), Step(0.1, up), Step(0.1, 1.1 * (1 + 1e-9)),
+             Step(0.1, math.inf), Step(0.1, 1e300), Step(0.2, 1.1)]
+    assert merge_steps(steps) == [Step(0.1, 1.1, 3), Step(0.1, 1.1 * (1 + 1e-9), 1),
+                                  Step(0.1, math.inf, 1), Step(0.1, 1e300, 1), Step(0.2, 1.1, 1)]
 
 
 def test_reopening_appends_to_the_same_ledger(tmp_path):

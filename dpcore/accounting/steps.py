@@ -14,7 +14,8 @@ Conventions (the same for every accountant):
 * the neighbouring relation is add-or-remove one record and sampling is Poisson.
 
 :func:`group_steps` reduces a sequence to distinct ``(q, z)`` with total counts, which is
-exact because composition is commutative. With ``noise_resolution`` it first rounds every
+exact because composition is commutative (noise multipliers equal but for a few ulps of
+rounding, :data:`~dpcore.ledger.NOISE_TIE`, are one group at the smaller). With ``noise_resolution`` it first rounds every
 ``z`` *down* onto the geometric grid ``(1 - noise_resolution)^k``: a step with less noise
 dominates the step it replaces (adding more Gaussian noise is post-processing), so the
 result is an upper bound on the exact one and few groups remain even when ``z`` changes at
@@ -32,7 +33,7 @@ from typing import Iterable, Sequence, Union
 import numpy as np
 
 from .. import _validation as check
-from ..ledger import NEIGHBOURING, Ledger, LedgerError, Step, read_ledger
+from ..ledger import NEIGHBOURING, NOISE_TIE, Ledger, LedgerError, Step, read_ledger
 
 StepLike = Union[Step, Sequence[float]]
 Source = Union[Ledger, str, "os.PathLike[str]", Iterable[StepLike]]
@@ -172,6 +173,7 @@ def group_steps(source: Source, *, noise_resolution: float | None = None,
     infinite = bool(np.any(costly & (z == 0)))
     costly &= z > 0
     q, z, c = q[costly], z[costly], c[costly]
+    z = _untie(z)
     rounded = False
     if (noise_resolution is not None and z.size
             and (max_groups is None or np.unique(q + 1j * z).size > max_groups)):
@@ -189,6 +191,17 @@ def group_steps(source: Source, *, noise_resolution: float | None = None,
                          f"such counts exactly)")
     groups = tuple(Group(float(k.real), float(k.imag), int(n)) for k, n in zip(keys, counts))
     return Composition(groups, infinite, total, rounded)
+
+
+def _untie(z: np.ndarray) -> np.ndarray:
+    """``z`` with values tied in the sense of :data:`~dpcore.ledger.NOISE_TIE` (each within
+    it of the next larger distinct value) replaced by the smallest of their chain."""
+    values = np.unique(z)
+    if values.size < 2:
+        return z
+    starts = np.concatenate([[True], np.diff(values) > NOISE_TIE * values[1:]])
+    smallest = values[starts][np.cumsum(starts) - 1]
+    return smallest[np.searchsorted(values, z)]
 
 
 def _round_down(z: np.ndarray, resolution: float) -> np.ndarray:
