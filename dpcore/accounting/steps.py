@@ -15,11 +15,11 @@ Conventions (the same for every accountant):
 
 :func:`group_steps` reduces a sequence to distinct ``(q, z)`` with total counts, which is
 exact because composition is commutative (noise multipliers equal but for a few ulps of
-rounding, :data:`~dpcore.ledger.NOISE_TIE`, are one group at the smaller). With ``noise_resolution`` it first rounds every
-``z`` *down* onto the geometric grid ``(1 - noise_resolution)^k``: a step with less noise
-dominates the step it replaces (adding more Gaussian noise is post-processing), so the
-result is an upper bound on the exact one and few groups remain even when ``z`` changes at
-every step (a decreasing clip schedule).
+rounding, :data:`~dpcore.ledger.NOISE_TIE`, are one group at the smaller). With
+``noise_resolution`` it first rounds every ``z`` *down* onto the geometric grid
+``(1 - noise_resolution)^k``: a step with less noise dominates the step it replaces (adding
+more Gaussian noise is post-processing), so the result is an upper bound on the exact one
+and few groups remain even when ``z`` changes at every step (a decreasing clip schedule).
 """
 
 from __future__ import annotations
