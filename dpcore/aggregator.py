@@ -83,6 +83,9 @@ class PrivateAggregator:
             raise ValueError(f"secure=True draws from the system's cryptographically secure "
                              f"generator, which takes no seed (got seed={seed!r}): a seed "
                              f"would make the noise predictable")
+        if clipping is not None and not callable(getattr(clipping, "bind", None)):
+            raise TypeError(f"clipping must be a ClipSchedule or a QuantileClipping (or None: "
+                            f"fixed clips), got {clipping!r}")
         self._policy = (FixedClipping(mechanism) if clipping is None
                         else clipping.bind(mechanism, self.expected_size))
         self.budget = budget

@@ -67,10 +67,19 @@ class ScheduledClipping:
         self.base, self.schedule = base, schedule
 
     def mechanism(self, step: int) -> Mechanism:
-        scale = check.positive(f"clip schedule factor at step {step}", self.schedule.factor(step))
+        name = f"clip schedule factor at step {step}"
+        try:
+            factor = self.schedule.factor(step)
+        except OverflowError as exc:  # e.g. step_decay(1, 2.0) past step 1023
+            raise ValueError(f"{name} overflowed ({exc}); expected a positive finite "
+                             f"number") from None
+        scale = check.positive(name, factor)
         groups = []
         for g in self.base.groups:
             clip = g.clip * scale
             noise = g.noise_std if self.schedule.hold == "noise_std" else g.noise_multiplier * clip
-            groups.append(Group(g.name, g.leaves, clip, noise, g.scales))
+            try:
+                groups.append(Group(g.name, g.leaves, clip, noise, g.scales))
+            except ValueError as exc:  # the scaled clip or noise overflowed
+                raise ValueError(f"{name} = {scale!r}: {exc}") from None
         return Mechanism(tuple(groups), self.base.record, self.base.microbatch_size)

@@ -54,8 +54,20 @@ def test_the_sum_is_clipped_at_the_scheduled_bound():
 def test_bad_schedules():
     with pytest.raises(ValueError, match=r"clip schedule factor at step 0 must be finite and > 0, got 0\.0"):
         run(ClipSchedule(lambda t: 0.0), steps=1)
+    events, agg = run(ClipSchedule(step_decay(1, 2.0), hold="noise_multiplier"), steps=1021)
+    assert events[-1].clip == 8.0 * 2.0 ** 1020
+    with pytest.raises(ValueError, match=r"factor at step 1021 = 2\.247.*e\+307: group 'all' "
+                                         r"clip must be finite and > 0, got inf"):
+        agg.begin_step()  # 8 * 2^1021 overflows
+    assert agg.ledger.samplings == 1021  # nothing of the refused step recorded
+    policy = ClipSchedule(step_decay(1, 2.0)).bind(flat(["x"], 1e-300, 1.0), 10.0)
+    assert policy.mechanism(1023).groups[0].clip == 1e-300 * 2.0 ** 1023
+    with pytest.raises(ValueError, match=r"clip schedule factor at step 1024 overflowed"):
+        policy.mechanism(1024)  # 2.0 ** 1024 is no float
     with pytest.raises(ValueError, match="hold must be one of"):
         ClipSchedule(decreasing(10), hold="clip")
+    with pytest.raises(TypeError, match="clipping must be a ClipSchedule or a QuantileClipping"):
+        PrivateAggregator(flat(["x"], 1.0, 1.0), n=10, q=0.5, clipping="adaptive")
     with pytest.raises(TypeError, match="factor must be callable"):
         ClipSchedule(0.5)
     with pytest.raises(ValueError, match="horizon must be finite and > 0"):

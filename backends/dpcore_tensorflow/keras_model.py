@@ -29,7 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from dpcore import Mechanism, PrivateAggregator, flat, per_layer
+from dpcore import ClipSchedule, Mechanism, PrivateAggregator, flat, per_layer
 from dpcore.aggregation import NonFiniteNormError
 
 from .bookkeeping import leaf_names
@@ -437,6 +437,10 @@ def make_private(model: keras.Model, *, n: int, batch_size: float | None = None,
         raise ValueError(f"model {model.name!r} is not built; call it on a batch or give it an "
                          f"Input first, so its variables exist")
     refuse_16_bit(leaf_names(model), model.trainable_variables)
+    if clip_schedule is not None and not isinstance(clip_schedule, ClipSchedule):
+        raise TypeError(f"clip_schedule must be a dpcore.ClipSchedule, got {clip_schedule!r} "
+                        f"(adaptive clipping releases counts the fused Keras step does not: "
+                        f"use TensorFlowBackend.private_gradient in a custom loop)")
     q = batch_size / n if q is None else q
     mechanism = build_mechanism(model, clipping, max_grad_norm, noise_multiplier)
     aggregator = PrivateAggregator(mechanism, n=n, q=q, backend="tensorflow", ledger=ledger,

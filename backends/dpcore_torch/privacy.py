@@ -131,6 +131,7 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
         raise TypeError(f"data_loader must be a torch DataLoader, got {data_loader!r}")
     check_whole_dataset(data_loader)
     refuse_closure_steps(optimizer)
+    clipping_policy = _clipping_policy(clip_policy)
     statistics = None
     if batch_norm is not None:
         statistics = _batch_norm_statistics(module, batch_norm)
@@ -182,7 +183,7 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
         def build():
             return PrivateAggregator(
                 mechanism, n=n, q=q, backend="torch", ledger=ledger, seed=seed,
-                clipping=QuantileClipping() if clip_policy == "adaptive" else clip_policy,
+                clipping=clipping_policy,
                 budget=budget, on_nonfinite=on_nonfinite, secure=secure, extra=extra)
 
         def settings():  # what every process must share (their models: copy_model)
@@ -221,6 +222,16 @@ def _optimizer_settings(optimizer) -> str:
                **{key: plain(value) for key, value in group.items() if key != "params"}}
               for group in optimizer.param_groups]
     return f"{type(optimizer).__name__} {groups}"
+
+
+def _clipping_policy(clip_policy):
+    """The aggregator's ``clipping`` for ``clip_policy``."""
+    if isinstance(clip_policy, str) and clip_policy == "adaptive":
+        return QuantileClipping()
+    if clip_policy is None or isinstance(clip_policy, (QuantileClipping, ClipSchedule)):
+        return clip_policy
+    raise ValueError(f"clip_policy must be None (fixed clip), 'adaptive', a "
+                     f"dpcore.QuantileClipping or a dpcore.ClipSchedule, got {clip_policy!r}")
 
 
 def _largest_clip_scale(clip_policy, steps: int) -> float:

@@ -247,6 +247,9 @@ def test_adaptive_clipping_is_refused_by_the_fused_step():
     with pytest.raises(NotImplementedError, match="private_gradient"):
         PrivateGradients(model, CE, agg)(x, y)
     assert agg.ledger.events == ()  # refused before anything was recorded
+    with pytest.raises(TypeError, match="clip_schedule must be a dpcore.ClipSchedule, got "
+                                        "QuantileClipping.*private_gradient"):
+        make_private(model, n=100, q=0.1, clip_schedule=QuantileClipping(count_noise_std=5.0))
 
 
 def test_fit_on_a_poisson_dataset_and_a_custom_loop_share_the_ledger():

@@ -55,6 +55,17 @@ def test_adaptive_clipping_turns_on_with_one_argument_at_the_same_cost():
     assert clips[0] == pytest.approx(0.1) and clips[-1] != pytest.approx(0.1)
 
 
+@pytest.mark.parametrize("policy", ["Adaptive", "quantile", 0.5])
+def test_an_unknown_clip_policy_is_refused_by_name(policy):
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=4)
+    with pytest.raises(ValueError, match=f"clip_policy must be None .*got {policy!r}"):
+        make_private(model, opt, loader, noise_multiplier=1.0, max_grad_norm=1.0,
+                     clip_policy=policy)
+    make_private(model, opt, loader, noise_multiplier=1.0, max_grad_norm=1.0)  # model as it was
+
+
 def test_training_stops_cleanly_when_the_budget_is_spent():
     budget = dpcore.PrivacyBudget(target_epsilon=3.0, delta=1e-5, accountant="rdp")
     data, model, opt, loader = setup(noise_multiplier=1.0, max_grad_norm=1.0, budget=budget)
