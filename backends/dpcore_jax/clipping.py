@@ -18,7 +18,7 @@ divides by the public expected size q n. Everything here is pure and can run und
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -134,13 +134,33 @@ def check_host_mask(mask) -> None:
         aggregation.check_mask_values(mask)
 
 
-class ClippedSums(NamedTuple):
+@jax.tree_util.register_pytree_node_class
+class ClippedSums:
     """A batch's clipped per-leaf sums (a pytree like the parameters) and the number of its
-    real rows whose norm was not finite (given weight 0). The optax transformation takes it
-    whole, so that ``on_nonfinite="raise"`` can refuse the release."""
+    real rows whose norm was not finite (given weight 0); unpacks as ``(sums, nonfinite)``.
+    The optax transformation takes it whole, so that ``on_nonfinite="raise"`` can refuse the
+    release and sums clipped under another mechanism than the aggregator's are refused:
+    ``clipping`` (static, kept through ``jit``, ``psum`` and other tree maps) is the groups'
+    ``(name, leaves, scales, clip)``, the clip None where ``clips`` were passed in."""
 
-    sums: object
-    nonfinite: jax.Array
+    def __init__(self, sums, nonfinite, clipping: tuple | None = None):
+        self.sums, self.nonfinite, self.clipping = sums, nonfinite, clipping
+
+    def __iter__(self):
+        return iter((self.sums, self.nonfinite))
+
+    def tree_flatten(self):
+        return (self.sums, self.nonfinite), self.clipping
+
+    @classmethod
+    def tree_unflatten(cls, clipping, children):
+        return cls(*children, clipping)
+
+
+def clipping_of(mechanism: Mechanism, *, clips_given: bool = False) -> tuple:
+    """The groups of ``mechanism`` as :attr:`ClippedSums.clipping` records them."""
+    return tuple((g.name, g.leaves, g.scales, None if clips_given else g.clip)
+                 for g in mechanism.groups)
 
 
 def clipped_sums(loss_fn: Callable, mechanism: Mechanism, *, chunk_size: int | None = None,
@@ -166,6 +186,7 @@ def clipped_sums(loss_fn: Callable, mechanism: Mechanism, *, chunk_size: int | N
         check_param_dtypes(params)
         rows = _rows(batch)
         mask = jnp.ones((rows,), bool) if mask is None else jnp.asarray(mask, bool)
+        clipping = clipping_of(mechanism, clips_given=clips is not None)
         if clips is None:
             clips = [g.clip for g in mechanism.groups]
         if mask.shape != (rows,):
@@ -173,7 +194,7 @@ def clipped_sums(loss_fn: Callable, mechanism: Mechanism, *, chunk_size: int | N
         if chunk_size is None or chunk_size >= rows:
             sums, nonfinite, factors = _chunk(loss_fn, mechanism, method, params, batch, mask,
                                               clips)
-            return _result(params, sums, nonfinite, factors)
+            return _result(params, sums, nonfinite, factors, clipping)
         if rows % chunk_size:
             raise ValueError(f"a batch of {rows} rows cannot be split into chunks of "
                              f"{chunk_size}; pad it to a multiple (see dpcore_jax.batching)")
@@ -189,10 +210,11 @@ def clipped_sums(loss_fn: Callable, mechanism: Mechanism, *, chunk_size: int | N
         init = ({leaf: jnp.zeros_like(a) for leaf, a in named_leaves(params).items()}, jnp.zeros((), jnp.int32))
         (sums, nonfinite), factors = jax.lax.scan(
             body, init, (jax.tree_util.tree_map(split, batch), split(mask)))
-        return _result(params, sums, nonfinite, factors.reshape(rows, factors.shape[-1]))
+        return _result(params, sums, nonfinite, factors.reshape(rows, factors.shape[-1]),
+                       clipping)
 
-    def _result(params, sums, nonfinite, factors):
-        out = ClippedSums(unflatten_like(params, sums), nonfinite)
+    def _result(params, sums, nonfinite, factors, clipping):
+        out = ClippedSums(unflatten_like(params, sums), nonfinite, clipping)
         return (*out, factors) if with_factors else out
 
     return run

@@ -43,7 +43,7 @@ from dpcore import _validation as check
 from dpcore.aggregation import NonFiniteNormError
 
 from .backend import refuse_tracers
-from .clipping import ClippedSums, noisy_mean
+from .clipping import ClippedSums, clipping_of, noisy_mean
 from .grad import check_aggregator
 from .noise import NoiseSource, secure_normals
 
@@ -65,6 +65,7 @@ def _clipped(updates, aggregator):
     """``(sums, nonfinite)`` from what the caller passed: the :class:`ClippedSums` of
     :func:`dpcore_jax.clipped_sums`, or (under ``on_nonfinite="drop"`` only) bare sums."""
     if isinstance(updates, ClippedSums):
+        _check_clipping(updates.clipping, aggregator.mechanism)
         return updates.sums, jnp.asarray(updates.nonfinite, jnp.int32)
     if aggregator.on_nonfinite == "raise":
         raise TypeError(
@@ -73,6 +74,21 @@ def _clipped(updates, aggregator):
             "(opt.update(sums_fn(params, batch, mask), state, params)), or create the "
             "aggregator with on_nonfinite='drop'")
     return updates, jnp.zeros((), jnp.int32)
+
+
+def _check_clipping(clipping, mechanism) -> None:
+    """Refuse sums clipped under other groups or clips than the aggregator's, whose noise and
+    ledger would not cover them (a clip passed in is the caller's to match)."""
+    if clipping is None:  # a ClippedSums built by hand
+        return
+    ours = clipping_of(mechanism)
+    if len(clipping) != len(ours) or any(
+            t[:3] != o[:3] or t[3] not in (None, o[3]) for t, o in zip(clipping, ours)):
+        raise ValueError(
+            f"the clipped sums were made under other groups or clips than the aggregator's "
+            f"mechanism, whose noise and ledger would then not cover them: sums "
+            f"{[(g[0], g[3]) for g in clipping]}, aggregator {[(g[0], g[3]) for g in ours]}; "
+            f"build clipped_sums with the aggregator's mechanism (aggregator.mechanism)")
 
 
 class _Ledger:

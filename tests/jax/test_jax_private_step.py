@@ -740,3 +740,35 @@ def test_a_release_inside_the_users_jit_is_refused(secure):
 def _begun(aggregator):
     aggregator.sample()
     return aggregator
+
+
+@pytest.mark.parametrize("transformation", ["private_optimizer", "private_aggregate"])
+def test_sums_clipped_under_another_mechanism_are_refused(transformation):
+    """Records of norm 17: the sums clipped at 100 passed to an aggregator whose ledger says
+    1 released 17 times the sensitivity recorded; refused at tracing, as are other groups. A
+    mechanism equal to the aggregator's, clips passed in, and sums added up across devices
+    (jax.lax.psum keeps what they were clipped under) pass."""
+    params = {"w": jnp.ones(3), "b": jnp.zeros(())}
+    names = ["b", "w"]
+    loss_fn = lambda p, b: b @ p["w"] + p["b"]  # noqa: E731
+    agg = aggregator(dpcore.flat(names, clip=1.0, noise_multiplier=0.0), n=200, q=0.1)
+    opt = (dpcore_jax.private_optimizer(optax.sgd(1.0), agg)
+           if transformation == "private_optimizer" else dpcore_jax.private_aggregate(agg))
+    state = opt.init(params)
+    batch, mask = jnp.full((8, 3), 10.0), jnp.ones(8, bool)
+    for other in [dpcore.flat(names, clip=100.0, noise_multiplier=0.0),
+                  dpcore.per_layer({"w": 3, "b": 1}, total_clip=2 ** 0.5, noise_multiplier=0.0)]:
+        with pytest.raises(ValueError, match="other groups or clips than the aggregator's"):
+            opt.update(clipped_sums(loss_fn, other)(params, batch, mask), state, params)
+    assert agg.ledger.events == ()
+    same = clipped_sums(loss_fn, dpcore.flat(names, clip=1.0, noise_multiplier=0.0))
+    sums = same(params, batch, mask, clips=jnp.ones(1))
+    assert sums.clipping[0][3] is None  # a clip passed in is not checked
+    added = jax.vmap(lambda s: jax.lax.psum(s, "d"), axis_name="d")(
+        jax.tree_util.tree_map(lambda a: a[None], sums))
+    assert added.clipping == sums.clipping
+    agg.begin_step()
+    updates, state = jax.jit(lambda p, s, b, m: opt.update(same(p, b, m), s, p))(
+        params, state, batch, mask)
+    sign = 1 if transformation == "private_aggregate" else -1  # the mean, or sgd's step
+    assert float(jnp.linalg.norm(sign * updates["w"])) <= 8 * 1.0 / agg.expected_size + 1e-6
