@@ -66,6 +66,8 @@ from .rdp import DEFAULT_MAX_GROUPS, DEFAULT_NOISE_RESOLUTION, RDPAccountant
 from .steps import Group, Source, check_step, group_steps
 
 DEFAULT_VALUE_DISCRETIZATION = 1e-4
+SMALL_GRID = 1 << 14  # fewer grid points than this at the default h: the grid is refined
+FINE_GRID = 1 << 18  # towards this many
 DEFAULT_TAIL_MASS = 1e-15
 MAX_FFT_SIZE = 1 << 20
 _SQRT2 = math.sqrt(2.0)
@@ -435,7 +437,8 @@ class PLDAccountant:
     ``source``: a ledger, ledger path or sequence of steps (:mod:`dpcore.accounting.steps`).
     ``value_discretization`` is the loss grid spacing h (it is coarsened, by powers of two,
     only if the composed distribution would need more than ``MAX_FFT_SIZE`` grid points;
-    the bound stays valid, only less tight). ``tail_mass`` bounds the truncated tails, which
+    the bound stays valid, only less tight); None (default) starts from 1e-4 and refines
+    grids of fewer than ``SMALL_GRID`` points towards ``FINE_GRID``. ``tail_mass`` bounds the truncated tails, which
     are added to delta. With more than ``max_groups`` distinct (q, z) pairs, z is rounded
     down onto a grid of relative resolution ``noise_resolution`` (conservative).
     """
@@ -443,11 +446,12 @@ class PLDAccountant:
     name = "pld"
 
     def __init__(self, source: Source = (), *,
-                 value_discretization: float = DEFAULT_VALUE_DISCRETIZATION,
+                 value_discretization: float | None = None,
                  tail_mass: float = DEFAULT_TAIL_MASS,
                  noise_resolution: float | None = DEFAULT_NOISE_RESOLUTION,
                  max_groups: int = DEFAULT_MAX_GROUPS):
-        self.value_discretization = check.positive("value_discretization", value_discretization)
+        self.value_discretization = (None if value_discretization is None else check.positive(
+            "value_discretization", value_discretization))
         self.tail_mass = check.delta("tail_mass", tail_mass)
         self.noise_resolution = noise_resolution
         self.max_groups = max_groups
@@ -489,15 +493,10 @@ class PLDAccountant:
                 groups = [Group(q, z, c) for (q, z), c in sorted(self._groups.items())]
             total = sum(g.count for g in groups)
             per_step = 2.0 ** math.floor(math.log2(self.tail_mass / max(total, 1)))
-            h = self.value_discretization
+            h = self.value_discretization or DEFAULT_VALUE_DISCRETIZATION
             while True:
                 try:
-                    self._composed = {
-                        direction: compose(
-                            [(_step_pld(g.q, g.noise_multiplier, direction, h, per_step),
-                              g.count) for g in groups],
-                            self.tail_mass)
-                        for direction in ("remove", "add")}
+                    self._composed, points = self._compose_at(groups, h, per_step)
                     break
                 except _GridTooFine as exc:
                     h *= 2 ** math.ceil(math.log2(exc.size / MAX_FFT_SIZE) + 1e-9)
@@ -506,7 +505,28 @@ class PLDAccountant:
                             f"{total} steps are too many for the PLD accountant's grid of "
                             f"{MAX_FFT_SIZE} losses (the composed losses span beyond "
                             f"{_MAX_LOSS:g} per bin); use accountant='rdp'") from None
+            # the default h, on a small grid (a composition of tiny losses, whose epsilon the
+            # rounding of each step's losses to h inflates), is refined to about FINE_GRID
+            refine = self.value_discretization is None and points < SMALL_GRID
+            while refine and points <= FINE_GRID // 2:
+                h /= 2 ** math.floor(math.log2(FINE_GRID / points))
+                try:
+                    self._composed, points = self._compose_at(groups, h, per_step)
+                except _GridTooFine:
+                    break
         return self._composed
+
+    def _compose_at(self, groups: list[Group], h: float, per_step: float):
+        """Both directions' composition of ``groups`` on the grid of spacing ``h``, and the
+        most grid points one of them, or one of their steps, takes."""
+        composed, points = {}, 0
+        for direction in ("remove", "add"):
+            plds = [(_step_pld(g.q, g.noise_multiplier, direction, h, per_step), g.count)
+                    for g in groups]
+            composed[direction] = compose(plds, self.tail_mass)
+            points = max(points, composed[direction].masses.size,
+                         *(pld.masses.size for pld, _ in plds))
+        return composed, points
 
     def _trivial(self):
         """'zero' if nothing costs anything, 'inf' if some step was noiseless, 'gaussian' for
@@ -525,10 +545,11 @@ class PLDAccountant:
         return self.epsilon_and_accountant(delta)[0]
 
     def epsilon_and_accountant(self, delta: float) -> tuple[float, str]:
-        """(epsilon, "pld"), or (epsilon, "rdp") where ``delta`` is below what the
-        discretisation resolves (its truncated tails and rounding, about ``tail_mass``, are
-        added to delta, so the PLD bound is infinite there): the RDP bound of the same steps,
-        looser but finite, and as valid."""
+        """(epsilon, "pld"), or (epsilon, "rdp") where the RDP bound of the same steps, as
+        valid, is smaller: below the delta the discretisation resolves (its truncated tails
+        and rounding, about ``tail_mass``, are added to delta, so the PLD bound is infinite
+        there), and where the grid is coarse for the losses (tiny q over millions of steps:
+        each step's losses are far below h)."""
         delta = check.delta("delta", delta)
         trivial = self._trivial()
         if trivial == "inf":
@@ -538,9 +559,8 @@ class PLDAccountant:
         if trivial == "gaussian":
             return gaussian_epsilon(self._gaussian_and_rest()[0], delta), self.name
         epsilon = max(pld.epsilon(delta) for pld in self._compose_all().values())
-        if math.isinf(epsilon):
-            return self.rdp().epsilon(delta), RDPAccountant.name
-        return epsilon, self.name
+        rdp = self.rdp().epsilon(delta)
+        return (rdp, RDPAccountant.name) if rdp < epsilon else (epsilon, self.name)
 
     def rdp(self) -> RDPAccountant:
         """An RDP accountant of the same steps (noise multipliers as grouped here)."""
@@ -559,8 +579,7 @@ class PLDAccountant:
             return 0.0
         if trivial == "gaussian":
             return float(gaussian_delta(epsilon, self._gaussian_and_rest()[0]))
-        # below the discretisation's resolution (about tail_mass) RDP's bound is the tighter,
-        # as in epsilon_and_accountant: both are upper bounds
+        # as in epsilon_and_accountant, the smaller of two upper bounds
         return min(max(pld.delta(epsilon) for pld in self._compose_all().values()),
                    self.rdp().delta(epsilon))
 
