@@ -439,8 +439,9 @@ class PLDAccountant:
     only if the composed distribution would need more than ``MAX_FFT_SIZE`` grid points;
     the bound stays valid, only less tight); None (default) starts from 1e-4 and refines
     grids of fewer than ``SMALL_GRID`` points towards ``FINE_GRID``. ``tail_mass`` bounds the
-    truncated tails, which are added to delta. With more than ``max_groups`` distinct (q, z) pairs, z is rounded
-    down onto a grid of relative resolution ``noise_resolution`` (conservative).
+    truncated tails, which are added to delta. With more than ``max_groups`` distinct (q, z)
+    pairs, z is rounded down onto a grid of relative resolution ``noise_resolution``
+    (conservative).
     """
 
     name = "pld"
