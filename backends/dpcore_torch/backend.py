@@ -37,6 +37,39 @@ STREAM_CHUNK = 1 << 18
 _GOLDEN = 0x9E3779B97F4A7C15  # odd; spreads the streams' seeds over 64 bits
 
 
+_MT_WORDS = 624  # the Mersenne Twister's state: 624 32-bit words
+
+
+def _seed_mersenne_twister(gen: torch.Generator, seed: int) -> None:
+    """Fill the CPU generator's Mersenne Twister state with 624 words from ``seed`` (numpy's
+    ``SeedSequence``, all of its bits): ``manual_seed`` keeps only a seed's low 32 bits, and
+    2^32 seeds are searched in hours, after which every release's noise could be subtracted.
+    The words lie, one per uint64, at an offset of the state's bytes found from a seed whose
+    words numpy's legacy ``RandomState`` (the same initialisation) computes."""
+    gen.manual_seed(_LAYOUT_SEED)
+    state = gen.get_state().numpy().copy()
+    start = _mt_words_offset(state)
+    words = np.random.SeedSequence(seed).generate_state(_MT_WORDS, np.uint32)
+    state[start:start + 8 * _MT_WORDS] = words.astype(np.uint64).view(np.uint8)
+    gen.set_state(torch.from_numpy(state))
+
+
+_LAYOUT_SEED = 5489
+_OFFSETS: list[int] = []
+
+
+def _mt_words_offset(state: np.ndarray) -> int:
+    if not _OFFSETS:
+        words = np.random.RandomState(_LAYOUT_SEED).get_state()[1].astype(np.uint64)
+        start = state.tobytes().find(words.view(np.uint8).tobytes())
+        if start < 0:
+            raise RuntimeError(f"torch {torch.__version__}: the CPU generator's state does "
+                               f"not hold its Mersenne Twister words as dpcore expects, so it "
+                               f"cannot be seeded with more than 32 bits; please report this")
+        _OFFSETS.append(start)
+    return _OFFSETS[0]
+
+
 class DeviceGenerators:
     """``torch.Generator`` objects per device and stream, each seeded from ``seed``, the
     device's name and the stream number, so a seeded run draws the same noise on every rerun
@@ -53,7 +86,11 @@ class DeviceGenerators:
         if gen is None:
             gen = torch.Generator(device=device)
             offset = 0 if device.type == "cpu" else zlib.crc32(str(device).encode()) + 1
-            gen.manual_seed((self.seed + offset + stream * _GOLDEN) % (2 ** 63))
+            seed = (self.seed + offset + stream * _GOLDEN) % (2 ** 63)
+            if device.type == "cpu":
+                _seed_mersenne_twister(gen, seed)
+            else:  # Philox: the whole 64-bit seed is its key
+                gen.manual_seed(seed)
             self._generators[(device, stream)] = gen
         return gen
 

@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -352,7 +353,7 @@ def test_large_cpu_draws_come_from_one_stream_per_piece_whatever_the_threads():
     """Above STREAM_CHUNK values, piece k of the draw is torch.randn from a generator seeded
     (seed + k * golden) mod 2^63, drawn in parallel: the same values on 1 or 2 threads, and
     a standard normal law overall."""
-    from dpcore_torch.backend import _GOLDEN, STREAM_CHUNK
+    from dpcore_torch.backend import _GOLDEN, STREAM_CHUNK, _seed_mersenne_twister
 
     backend = dpcore.get_backend("torch")
     like = torch.zeros((), dtype=torch.float32)
@@ -367,13 +368,35 @@ def test_large_cpu_draws_come_from_one_stream_per_piece_whatever_the_threads():
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
     for k, piece in enumerate(two.split(STREAM_CHUNK)):
-        gen = torch.Generator().manual_seed((9 + k * _GOLDEN) % 2 ** 63)
+        gen = torch.Generator()
+        _seed_mersenne_twister(gen, (9 + k * _GOLDEN) % 2 ** 63)
         assert torch.equal(piece, torch.randn(piece.shape, generator=gen))
     assert abs(float(two.mean())) < 5 / math.sqrt(size)
     assert abs(float(two.std()) - 1) < 0.01
     rng = backend.rng(9)
     first, second = (backend.standard_normal(rng, (size,), like)[1] for _ in range(2))
     assert not torch.equal(first, second)  # every stream moves on
+
+
+def test_cpu_noise_generators_take_all_the_seeds_bits():
+    """torch's manual_seed keeps a seed's low 32 bits: seeds differing above bit 31 drew the
+    same noise, and the 2^32 seeds of a run are searched in hours. The Mersenne Twister's
+    624 words now come from numpy's SeedSequence of the whole seed: its outputs are numpy
+    MT19937's from those words (random_() joins two 32-bit outputs into 63 bits)."""
+    from dpcore_torch.backend import DeviceGenerators
+
+    seed = 0x1234_5678_9ABC_DEF0 >> 1
+    same_low_bits = seed ^ (0x7FFF_FFFF << 32)
+    a, b = (DeviceGenerators(s).standard_normal((1000,), torch.float32, "cpu")
+            for s in (seed, same_low_bits))
+    assert not torch.equal(a, b)
+    reference = np.random.MT19937()
+    reference.state = {"bit_generator": "MT19937", "state": {
+        "key": np.random.SeedSequence(seed).generate_state(624, np.uint32), "pos": 624}}
+    raw = reference.random_raw(8).astype(np.uint64)
+    expected = ((raw[0::2] << np.uint64(32)) | raw[1::2]) & np.uint64(2 ** 63 - 1)
+    drawn = torch.empty(4, dtype=torch.int64).random_(generator=DeviceGenerators(seed).on("cpu"))
+    assert drawn.tolist() == expected.tolist()
 
 
 def test_target_epsilon_calibrates_the_noise_up_front():
