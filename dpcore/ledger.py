@@ -246,6 +246,11 @@ class Ledger:
         return tuple(self._events)
 
     @property
+    def event_count(self) -> int:
+        """The number of events (a resumed run's included), without copying them."""
+        return len(self._events)
+
+    @property
     def samplings(self) -> int:
         """The number of sampling events, i.e. of steps begun (a resumed run's included)."""
         return self._samplings

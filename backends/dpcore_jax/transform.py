@@ -117,8 +117,8 @@ class _Ledger:
         return np.array([now, int(drop)], np.int32)
 
     def record(self, nonfinite, step):
-        """Write the step's events (after its checks) and return the step's index in the
-        ledger; on refusal, remember the step."""
+        """Write the step's events (after its checks) and return the ledger's count of
+        events, which no other release shares; on refusal, remember the step."""
         try:
             if self.aggregator.on_nonfinite == "raise" and int(nonfinite):
                 raise NonFiniteNormError(
@@ -129,7 +129,7 @@ class _Ledger:
         except Exception:
             self.refused.add(int(step))
             raise
-        return np.asarray(self.aggregator.step, np.int32)
+        return np.asarray(self.aggregator.ledger.event_count, np.int32)
 
 
 def _release_fn(aggregator, ledger: _Ledger):
@@ -157,9 +157,10 @@ def _release_fn(aggregator, ledger: _Ledger):
                     "aggregator draws every step's noise on the host" if key is not None else
                     "no noise key (made with a secure aggregator), which this aggregator "
                     "needs") + ": init the state again with this aggregator")
-        # the events first; the ledger's index of the step keys the noise, so a state
-        # restored from a checkpoint (its key an earlier step's) never draws a noise twice,
-        # and the session's salt, so two sessions resuming one state draw apart
+        # the events first; the ledger's count of events after them keys the noise, so a
+        # state restored from a checkpoint (its key an earlier step's), or one state updated
+        # twice in a step, never draws a noise twice, and the session's salt, so two
+        # sessions resuming one state draw apart
         index = io_callback(ledger.record, jax.ShapeDtypeStruct((), jnp.int32), nonfinite,
                             step, ordered=True)
         noise = (host_normals(sums) if key is None

@@ -806,3 +806,26 @@ def test_each_release_is_recorded_under_its_own_sampling_event():
     jax.block_until_ready(params)
     kinds = "".join("S" if e.kind == "sampling" else "Q" for e in agg.ledger.events)
     assert kinds == "SQ" * 40
+
+
+def test_one_state_updated_twice_in_a_step_draws_two_noises():
+    """The key was the state's and the step's: a state updated twice in one step (a retry, a
+    what-if) drew the same noise twice, and the difference of the two releases was record
+    0's gradient exactly, while the ledger priced two independent queries."""
+    params = {"w": jnp.zeros(5)}
+    loss_fn = lambda p, b: b @ p["w"]  # noqa: E731
+    mechanism = dpcore.Mechanism((dpcore.Group("g", ("w",), clip=100.0, noise_std=100.0),))
+    agg = aggregator(mechanism, n=100, q=0.1)
+    sums_fn = clipped_sums(loss_fn, mechanism)
+    opt = private_aggregate(agg)
+    state = opt.init(params)
+    update = jax.jit(lambda s, b, m: opt.update(sums_fn(params, b, m), s, params))
+    x = np.random.default_rng(0).normal(size=(100, 5)).astype(np.float32)
+    batch, mask = pad(x, agg.sample(), 40)
+    first = update(state, batch, mask)[0]["w"]
+    other = batch.copy()
+    other[0] = 0.0
+    second = update(state, other, mask)[0]["w"]
+    difference = np.asarray(first - second) * agg.expected_size
+    assert mask[0] and not np.allclose(difference, batch[0], atol=1.0)
+    assert [e.kind for e in agg.ledger.events] == ["sampling", "sum_query", "sum_query"]
