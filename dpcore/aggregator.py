@@ -268,13 +268,16 @@ class PrivateAggregator:
                 f"(or the sum overflowed), and noise would not hide it; nothing was recorded")
         counts = self._count_sums(factors, mask)
         self.record_release()
+        # 16-bit sums noised in float32: scaled in float16, a std of 1e-8 drew zeros
+        wide = aggregation.as_floating({leaf: clipped_sums[leaf]
+                                        for leaf in self._mechanism.leaves})
         self.rng, released = aggregation.noisy_average(
-            {**clipped_sums, **counts}, self._released, self.rng, self.standard_normal,
+            {**clipped_sums, **wide, **counts}, self._released, self.rng, self.standard_normal,
             self.expected_size, xp=self.backend.namespace())
         if counts:
             self._policy.observe(released)
             released = {leaf: released[leaf] for leaf in self._mechanism.leaves}
-        return released
+        return aggregation.in_record_dtypes(released, clipped_sums)
 
     def record_release(self) -> None:
         """Write the current step's sum-query events, once the checks of a release pass. The
@@ -372,6 +375,12 @@ class PrivateAggregator:
             raise RuntimeError("no sample to release from: call sample() or begin_step() first")
         self._mechanism.check_leaves(like)
         self._refuse_traced(like)
+        narrow = {leaf: str(like[leaf].dtype) for leaf in self._mechanism.leaves
+                  if hasattr(like[leaf], "dtype") and _is_16_bit_float(like[leaf])}
+        if narrow:
+            raise TypeError(f"noise_draws are typed like the sums, and 16-bit ones would scale "
+                            f"the noise in 16 bits (a std of 1e-8 in float16 is 0): {narrow}; "
+                            f"add float32 sums into float32 draws")
         return NoiseDraws(self, self._step, self._mechanism, like, noise=noise)
 
     def release_noisy_sums(self, draws: NoiseDraws, *, factors=None, mask=None,
@@ -522,3 +531,8 @@ def _unit(of) -> str:
     """The unit of privacy of a mechanism or ledger header, as its fields read."""
     size = f", microbatch_size={of.microbatch_size}" if of.microbatch_size is not None else ""
     return f"record={of.record!r}{size}"
+
+
+def _is_16_bit_float(a) -> bool:
+    xp = array_namespace(a)
+    return xp.isdtype(a.dtype, "real floating") and xp.finfo(a.dtype).bits < 32

@@ -429,3 +429,19 @@ def test_a_float16_record_is_released_within_its_clip():
         assert out.dtype == np.float16
         assert np.linalg.norm(out.astype(np.float64)) <= 1.0 + 2.0 ** -11
 
+
+
+def test_16_bit_sums_are_noised_in_float32():
+    """Scaled in float16, noise of std 2e-8 (below float16's smallest subnormal, 6e-8) was
+    mostly exact zeros before division by q n = 0.4; now drawn and scaled in float32, the
+    release is only rounded to float16 at the end (post-processing). 16-bit noise_draws, into
+    which a backend adds its sums, are refused."""
+    agg = PrivateAggregator(Mechanism((Group("m", ("m",), 1.0, 2e-8),)), n=4, q=0.1, seed=0)
+    agg.begin_step()
+    out = agg.release_sums({"m": np.zeros(20_000, np.float16)})["m"]
+    assert out.dtype == np.float16
+    assert np.mean(out == 0) < 0.5
+    agg.begin_step()
+    with pytest.raises(TypeError, match=r"16-bit ones would scale the noise.*'m': 'float16'"):
+        agg.noise_draws({"m": np.zeros(10, np.float16)})
+    assert len(agg.ledger.events) == 3  # the refused step recorded no query
