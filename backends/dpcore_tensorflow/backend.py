@@ -33,10 +33,13 @@ from .namespace import namespace
 
 
 def new_generator(seed: int | None = None) -> tf.random.Generator:
-    """A Philox generator: from ``seed``, or with its whole state from ``os.urandom``."""
+    """A Philox generator whose whole state (counter and key) comes from ``seed`` through
+    numpy's ``SeedSequence``, or from ``os.urandom``. (``Generator.from_seed(s)`` makes s the
+    counter under a key of 0: seeds s and s + 1 drew one stream, shifted by 4 values.)"""
     if seed is not None:
-        return tf.random.Generator.from_seed(int(seed))
-    state = np.frombuffer(os.urandom(24), dtype=np.int64).copy()
+        state = np.random.SeedSequence(int(seed)).generate_state(3, np.uint64).view(np.int64)
+    else:
+        state = np.frombuffer(os.urandom(24), dtype=np.int64).copy()
     return tf.random.Generator.from_state(state, alg="philox")
 
 

@@ -68,6 +68,9 @@ def test_seeded_noise_repeats_and_unseeded_differs(backend):
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(c, d)
     assert a.dtype == np.float64
+    # neighbouring seeds: not one stream shifted (from_seed(s) made s Philox's counter)
+    e = backend.standard_normal(backend.rng(6), (1000,), like)[1].numpy()
+    assert not any(np.intersect1d(a[k:k + 8], e).size for k in range(0, 40, 8))
     _, host = backend.standard_normal(backend.rng(1), (3,), np.zeros(2, np.float32))
     assert isinstance(host, np.ndarray) and host.dtype == np.float32
 
