@@ -101,6 +101,10 @@ def train(loss_fn: Callable, params, data, aggregator, optimizer: optax.Gradient
         shards = 1 if sharding is None else batch_shards(sharding)
         buckets = Buckets(aggregator.expected_size, aggregator.q,
                           multiple_of=math.lcm(chunk_size, shards))
+    elif chunk_size is not None and buckets.granularity % chunk_size:
+        raise ValueError(f"{buckets} pads batches to sizes chunk_size={chunk_size} does not "
+                         f"divide: give Buckets multiple_of={chunk_size} (or no buckets, and "
+                         f"train chooses them); nothing was recorded")
     batches = PoissonBatches(data, aggregator, buckets=buckets, sharding=sharding)
     for t in range(steps):
         try:

@@ -180,6 +180,12 @@ def test_train_in_chunks_pads_every_sample_to_whole_chunks():
         results.append(out)
     for a, b in zip(*map(jax.tree_util.tree_leaves, results)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    agg = aggregator(dpcore.flat(leaf_names(params), 1.0, 1.0), n=200, q=0.1, seed=3)
+    with pytest.raises(ValueError, match=r"Buckets\(granularity=20\) pads batches to sizes "
+                                         r"chunk_size=8 does not divide"):
+        train(loss_fn, params, (x, y), agg, optax.sgd(0.1), steps=3, chunk_size=8,
+              buckets=Buckets(20, 0.1, granularity=20))
+    assert agg.ledger.events == ()  # refused before the first sample was drawn
 
 
 def test_train_continues_from_an_optimizer_state_and_stops_at_the_budget():
