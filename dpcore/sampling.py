@@ -5,11 +5,18 @@ accountants' amplification analysis assumes; shuffled fixed-size batches are not
 
 from __future__ import annotations
 
+import math
 from typing import Iterator
 
 import numpy as np
 
 from . import _validation as check
+
+
+def steps_per_epoch(q: float) -> int:
+    """Steps that visit n records in expectation at rate ``q``: round(1 / q), halves rounded
+    up (q = 0.4: 3 steps), and at least 1. Every backend's epochs follow this rule."""
+    return max(1, math.floor(1 / check.probability("q", q) + 0.5))
 
 
 def poisson_sample(n: int, q: float, rng: np.random.Generator) -> np.ndarray:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dpcore.sampling import steps_per_epoch
+
 DELTA = 1e-5
 # The training loss shown is released privately too, a query of every step that the target
 # epsilon covers: each record's loss clipped to LOSS_CLIP, noise of multiplier LOSS_SHARE z on
@@ -67,7 +69,6 @@ def train_torch(data, args, *, private: bool, progress: bool = True):
         import dpcore
         from dpcore.accounting import calibrate_noise_multiplier
         from dpcore_torch import make_private
-        from dpcore_torch.data import steps_per_epoch
 
         # z for the planned steps, calibrated once: the step's total, which sizes the loss's
         q = args.batch_size / len(train)  # noise; make_private gives the gradient the rest
@@ -135,7 +136,7 @@ def train_tensorflow(data, args, *, private: bool, progress: bool = True):
     model = keras_model()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     optimizer = keras.optimizers.SGD(args.lr, momentum=args.momentum)
-    steps = max(1, round(len(x_train) / args.batch_size))
+    steps = steps_per_epoch(args.batch_size / len(x_train))
     curve, eps = [], math.inf
     if private:
         from dpcore.accounting import calibrate_noise_multiplier, epsilon
@@ -210,7 +211,7 @@ def train_jax(data, args, *, private: bool, progress: bool = True):
         return -jnp.take_along_axis(jax.nn.log_softmax(logits(p, x)), y[:, None], 1)[:, 0]
 
     optimizer = optax.sgd(args.lr, momentum=args.momentum)
-    steps = max(1, round(len(x_train) / args.batch_size))
+    steps = steps_per_epoch(args.batch_size / len(x_train))
     curve, eps = [], math.inf
     label = f"DP eps={args.epsilon:g}" if private else "non-private"
     if private:

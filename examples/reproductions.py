@@ -30,6 +30,7 @@ from digits import DELTA, load_digits, torch_model  # noqa: E402
 import dpcore  # noqa: E402
 from dpcore.accounting import calibrate_noise_multiplier, epsilon  # noqa: E402
 from dpcore.momentum import RECOMMENDED_COEFFICIENT  # noqa: E402
+from dpcore.sampling import steps_per_epoch  # noqa: E402
 from dpcore.schedules import decreasing  # noqa: E402
 
 BATCH, EPOCHS = 64, 15
@@ -72,7 +73,7 @@ def momentum_and_clip(seeds: int, budgets, lr: float, epochs: int = EPOCHS) -> l
     """(a): rows (epsilon, variant, accuracy mean, sd, steps mean, epsilon spent max)."""
     data = load_digits(0)
     q = BATCH / len(data[0])
-    target_steps = epochs * round(1 / q)
+    target_steps = epochs * steps_per_epoch(q)
     rows = []
     for eps in budgets:
         z = calibrate_noise_multiplier(eps, DELTA, q=q, steps=target_steps)
@@ -100,7 +101,7 @@ def adaptive_against_grid(seeds: int, eps: float, grid, lr: float,
     """(b): rows (clip, accuracy mean, sd, epsilon spent max); the clip "adaptive" last."""
     data = load_digits(0)
     q = BATCH / len(data[0])
-    steps = epochs * round(1 / q)
+    steps = epochs * steps_per_epoch(q)
     z = calibrate_noise_multiplier(eps, DELTA, q=q, steps=steps)
     rows = []
     for clip in list(grid) + ["adaptive"]:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dpcore.sampling import PoissonSampler, poisson_sample
+from dpcore.sampling import PoissonSampler, poisson_sample, steps_per_epoch
 
 
 def test_sample_sizes_follow_the_binomial_law():
@@ -56,3 +56,10 @@ def test_bad_arguments(n, q, message):
         PoissonSampler(n, q)
     with pytest.raises(ValueError, match=message):
         poisson_sample(n, q, np.random.default_rng())
+
+
+def test_steps_per_epoch_rounds_halves_up():
+    assert [steps_per_epoch(q) for q in (1.0, 0.9, 0.4, 0.3, 0.25, 1 / 3.5, 0.001)] == \
+        [1, 1, 3, 3, 4, 4, 1000]
+    with pytest.raises(ValueError, match="q"):
+        steps_per_epoch(0.0)

@@ -31,6 +31,7 @@ import tensorflow as tf
 
 from dpcore import ClipSchedule, Mechanism, PrivateAggregator, flat, per_layer
 from dpcore.aggregation import NonFiniteNormError
+from dpcore.sampling import steps_per_epoch as epoch_steps
 
 from .bookkeeping import leaf_names
 from .data import check_fit_dataset, default_capacity, poisson_dataset
@@ -328,7 +329,7 @@ class PrivateModel(keras.Model):
                     f"in one loss function (of y and the outputs)")
             check_fit_dataset(x, self.aggregator)
         else:
-            steps = steps_per_epoch or max(1, round(1 / self.aggregator.q))
+            steps = steps_per_epoch or epoch_steps(self.aggregator.q)
             agg = self.aggregator  # batches cut evenly over the replicas
             capacity = replicas * math.ceil(default_capacity(agg.n, agg.q) / replicas)
             arrays = (x, y)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import math
 from collections.abc import Mapping
 from typing import Iterator
 
@@ -22,6 +21,7 @@ from torch.utils.data.dataloader import default_collate
 from torch.utils.data.distributed import DistributedSampler
 
 from dpcore import PoissonSampler
+from dpcore.sampling import steps_per_epoch
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
@@ -180,9 +180,4 @@ def check_whole_dataset(loader: DataLoader) -> None:
                          f"(Poisson, at rate q): the others would be trained on too. Pass the "
                          f"records to train on as the dataset (torch.utils.data.Subset(dataset, "
                          f"indices))")
-
-
-def steps_per_epoch(q: float) -> int:
-    """Steps that visit n records in expectation: round(1 / q)."""
-    return max(1, math.floor(1 / q + 0.5))
 

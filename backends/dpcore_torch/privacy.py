@@ -80,7 +80,8 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
     """Private (module, optimizer, data_loader).
 
     Give ``noise_multiplier`` z, or ``target_epsilon`` with ``target_delta`` and ``epochs`` to
-    calibrate z up front for epochs * round(1/q) steps. ``clipping`` is ``"flat"``,
+    calibrate z up front for epochs * round(1/q) steps (halves up:
+    :func:`dpcore.sampling.steps_per_epoch`). ``clipping`` is ``"flat"``,
     ``"per_layer"`` or a :class:`dpcore.Mechanism` over the parameter names, whose clips and
     allocation are kept and whose noise is scaled to z (as given, without either).
     ``loss_reduction`` must match the loss (``"mean"`` or ``"sum"`` over the batch).

@@ -12,6 +12,7 @@ keras = pytest.importorskip("keras")
 
 import dpcore  # noqa: E402
 from dpcore.aggregation import NonFiniteNormError  # noqa: E402
+from dpcore.sampling import steps_per_epoch  # noqa: E402
 from dpcore_tensorflow import (PrivateGradients, make_private, poisson_dataset,  # noqa: E402
                                per_example_loss)
 from dpcore_tensorflow.data import default_capacity  # noqa: E402
@@ -175,6 +176,15 @@ def test_compiled_metrics_leave_the_padding_rows_out():
     with pytest.raises(ValueError, match="give metrics as one list"):
         private.compile(optimizer="sgd", loss=CE, metrics={"out": ["accuracy"]},
                         weighted_metrics=["accuracy"])
+
+
+def test_an_epoch_takes_round_1_over_q_steps_halves_up_as_every_backend():
+    """q = 0.4: 1/q = 2.5 gave 2 steps an epoch here (Python's round, halves to even) and 3
+    in PyTorch's loader; calibrated for one, a run of the other overspent."""
+    private = make_private(mlp(), n=40, q=0.4, noise_multiplier=1.0, seed=0)
+    private.compile(optimizer="sgd", loss=CE)
+    private.fit(*records(), epochs=1, verbose=0)
+    assert private.aggregator.ledger.samplings == steps_per_epoch(0.4) == 3
 
 
 def test_fit_rejects_batch_size_and_multi_step_execution():
