@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 
 
 def _number(name: str, value) -> float:
@@ -49,6 +50,16 @@ def delta(name: str, value) -> float:
     if not 0 < value < 1:
         raise ValueError(f"{name} must be in (0, 1), got {value!r}")
     return value
+
+
+def warn_unless_below_one_over_n(delta_: float, n: int) -> None:
+    """Warn when a target ``delta_`` is not below 1/n: publishing one record of the ``n``,
+    chosen at random, in full is (0, 1/n)-DP, so such a delta admits it."""
+    if delta_ >= 1 / n:
+        warnings.warn(f"delta={delta_:g} is not below 1/n = {1 / n:g} (n={n} records): it "
+                      f"would allow publishing a random record in full; take delta well "
+                      f"below 1/n (1e-5 for n = 60,000 is customary)", UserWarning,
+                      stacklevel=3)
 
 
 def count(name: str, value, *, minimum: int = 0) -> int:

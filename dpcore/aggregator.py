@@ -88,6 +88,8 @@ class PrivateAggregator:
                             f"fixed clips), got {clipping!r}")
         self._policy = (FixedClipping(mechanism) if clipping is None
                         else clipping.bind(mechanism, self.expected_size))
+        if budget is not None:
+            check.warn_unless_below_one_over_n(budget.delta, self.n)
         self.budget = budget
         self.extra = tuple(extra)
         for m in self.extra:

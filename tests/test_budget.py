@@ -1,5 +1,7 @@
 """Budget-driven training: steps stop exactly where the accountant says the budget ends."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -119,3 +121,13 @@ def test_a_budget_refuses_a_bad_step_even_within_its_credit(q, z, message):
         budget.allows(ledger, q, z)
     with pytest.raises(ValueError, match=message):
         budget.spend(q, z)
+
+
+def test_a_delta_not_below_one_over_n_is_warned_of():
+    """delta >= 1/n admits publishing one record in full: accepted silently, it is now
+    warned of (below 1/n, nothing is said)."""
+    with pytest.warns(UserWarning, match=r"delta=0\.01 is not below 1/n = 0\.01 \(n=100"):
+        PrivateAggregator(flat(["w"], 1.0, 1.0), n=100, q=0.1, budget=PrivacyBudget(2.0, 0.01))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        PrivateAggregator(flat(["w"], 1.0, 1.0), n=100, q=0.1, budget=PrivacyBudget(2.0, 0.0099))

@@ -164,6 +164,7 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
         if target_delta is None or epochs is None:
             raise ValueError("target_epsilon needs target_delta and epochs to calibrate the "
                              "noise multiplier")
+        check.warn_unless_below_one_over_n(check.delta("target_delta", target_delta), n)
         steps = epochs * steps_per_epoch(q)
         noise_multiplier = calibrate(target_epsilon, target_delta, q, steps,
                                      accountant) * _largest_clip_scale(clip_policy, steps)

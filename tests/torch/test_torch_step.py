@@ -419,6 +419,11 @@ def test_target_epsilon_calibrates_the_noise_up_front():
     with pytest.raises(ValueError, match="exactly one"):
         make_private(mlp(), torch.optim.SGD(mlp().parameters(), lr=0.1), DataLoader(ds),
                      max_grad_norm=1.0)
+    other = mlp()
+    with pytest.warns(UserWarning, match=r"delta=0\.02 is not below 1/n = 0\.01 \(n=100"):
+        make_private(other, torch.optim.SGD(other.parameters(), lr=0.1),
+                     DataLoader(ds, batch_size=10), target_epsilon=2.0, target_delta=0.02,
+                     epochs=3, max_grad_norm=1.0)
 
 
 def test_a_mechanism_of_ones_own_keeps_its_allocation_and_meets_the_target():
