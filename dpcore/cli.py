@@ -15,6 +15,7 @@ Each subcommand is one ``add_parser`` call in :func:`build_parser` with a ``run`
 from __future__ import annotations
 
 import argparse
+import decimal
 import json
 import math
 import sys
@@ -22,16 +23,26 @@ import warnings
 from typing import Sequence
 
 EXIT_BAD_INPUT = 2
+UP, DOWN = decimal.ROUND_CEILING, decimal.ROUND_FLOOR
 
 
 class CommandError(Exception):
     """A user-facing error: printed as one line, exit status 2."""
 
 
-def _fmt(x) -> str:
-    if isinstance(x, float):
-        return "inf" if math.isinf(x) else f"{x:.6g}"
-    return str(x)
+def _fmt(x, rounding: str | None = None) -> str:
+    """``x`` to 6 significant digits; ``rounding`` ``decimal.ROUND_CEILING`` or
+    ``ROUND_FLOOR`` makes the digits a bound on ``x`` (an epsilon or a solved z printed above
+    its value, a solved q below), where rounding to nearest could cross it."""
+    if not isinstance(x, float):
+        return str(x)
+    if math.isinf(x):
+        return "inf"
+    if rounding is None or x == 0 or float(f"{x:.6g}") == x:
+        return f"{x:.6g}"
+    exact = decimal.Decimal(x)
+    digits = exact.quantize(decimal.Decimal(1).scaleb(exact.adjusted() - 5), rounding=rounding)
+    return f"{digits:.6g}"
 
 
 def _emit(args, obj: dict, text: str) -> None:
@@ -65,7 +76,7 @@ def _cmd_epsilon(args) -> None:
     if g.order is not None:
         obj["order"] = g.order
     extra = f" (RDP order {_fmt(g.order)})" if g.order is not None else ""
-    _emit(args, obj, f"epsilon = {_fmt(g.epsilon)} at delta = {_fmt(g.delta)} "
+    _emit(args, obj, f"epsilon = {_fmt(g.epsilon, UP)} at delta = {_fmt(g.delta)} "
                      f"[{g.accountant}]{extra}")
 
 
@@ -74,6 +85,7 @@ def _cmd_epsilon(args) -> None:
 def _cmd_calibrate(args) -> None:
     from .accounting import (calibrate_noise_multiplier, calibrate_sampling_rate,
                              calibrate_steps, epsilon)
+    from .accounting.guarantee import MAX_STEPS
     given = {name: getattr(args, name) for name in ("sampling_rate", "steps", "noise_multiplier")
              if getattr(args, name) is not None}
     if len(given) != 2:
@@ -95,9 +107,14 @@ def _cmd_calibrate(args) -> None:
            "epsilon": achieved, "target_epsilon": args.target_epsilon, "delta": args.delta,
            "accountant": args.accountant}
     value = {"noise_multiplier": z, "sampling_rate": q, "steps": T}[solved]
-    _emit(args, obj, f"{solved} = {_fmt(value)}  (epsilon = {_fmt(achieved)} <= "
-                     f"{_fmt(args.target_epsilon)} at delta = {_fmt(args.delta)} "
-                     f"[{args.accountant}])")
+    capped = solved == "steps" and T == MAX_STEPS
+    if capped:
+        obj["steps_capped"] = True
+    bound = {"noise_multiplier": UP, "sampling_rate": DOWN, "steps": None}[solved]
+    _emit(args, obj, f"{solved} = {_fmt(value, bound)}"
+                     f"{' (the most searched)' if capped else ''}  (epsilon = "
+                     f"{_fmt(achieved, UP)} <= {_fmt(args.target_epsilon)} at delta = "
+                     f"{_fmt(args.delta)} [{args.accountant}])")
 
 
 # --------------------------------------------------------------------------- ledger
@@ -122,7 +139,7 @@ def _cmd_ledger_epsilon(args) -> None:
         obj["order"] = g.order
     if g.rounded:
         obj["noise_rounded_down"] = True
-    _emit(args, obj, f"epsilon = {_fmt(g.epsilon)} at delta = {_fmt(g.delta)} after "
+    _emit(args, obj, f"epsilon = {_fmt(g.epsilon, UP)} at delta = {_fmt(g.delta)} after "
                      f"{g.steps} steps [{g.accountant}]")
 
 
@@ -198,7 +215,7 @@ def _cmd_ledger_plot(args) -> None:
            "accountant": args.accountant, "epsilon": series[-1][1], "steps": series[-1][0],
            "points": [{"step": s, "epsilon": e} for s, e in series]}
     _emit(args, obj, f"wrote {args.output} ({len(series)} points; final epsilon = "
-                     f"{_fmt(series[-1][1])} at delta = {_fmt(args.delta)})")
+                     f"{_fmt(series[-1][1], UP)} at delta = {_fmt(args.delta)})")
 
 
 # --------------------------------------------------------------------------- conformance
@@ -330,7 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     except (CommandError, LedgerError, ValueError, TypeError, OSError) as exc:
-        message = " ".join(str(exc).split())
+        # the library's advice in the shell's words
+        message = " ".join(str(exc).split()).replace("accountant='rdp'", "--accountant rdp")
         print(f"dpcore: error: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return status or 0

@@ -57,6 +57,8 @@ def test_epsilon_conventions(capsys):
     (["calibrate", "--target-epsilon", "1", "--delta", "1e-5", "-q", "0.1", "-T", "1",
       "-z", "1"], "exactly two"),
     (["ledger", "epsilon", "/nonexistent.jsonl", "--delta", "1e-5"], "cannot read ledger"),
+    (["epsilon", "-q", "0.01", "-z", "1", "-T", str(10**13), "--delta", "1e-5"],
+     "use --accountant rdp"),  # the library's advice, in the shell's words
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     code, out, err = run(capsys, *argv)
@@ -203,3 +205,22 @@ def test_a_torn_tail_is_one_warning_line_and_binary_data_an_error(capsys, ledger
     binary.write_bytes(bytes(range(256)).replace(b"\n", b""))
     code, _, err = run(capsys, "ledger", "show", str(binary), "--allow-torn-tail")
     assert code == 2 and "line 1: not valid JSON, nor the start of a ledger line" in err
+
+
+def test_printed_bounds_are_rounded_to_the_safe_side(capsys):
+    """Six digits rounded to nearest printed epsilon 2.38178 for 2.3817809 (below the bound)
+    and a solved z of 0.959127 for 0.9591274 (less noise than calibrated); a steps answer at
+    the search's limit said nothing of it."""
+    code, out, _ = run(capsys, "epsilon", "-q", "0.00426667", "-z", "1.1", "-T", "14063",
+                       "--delta", "1e-5")
+    assert code == 0 and out.startswith("epsilon = 2.38179 ")
+    code, out, _ = run(capsys, "calibrate", "--target-epsilon", "2", "--delta", "1e-5",
+                       "-q", "0.01", "-T", "1000", "--json")
+    z = json.loads(out)["noise_multiplier"]
+    code, out, _ = run(capsys, "calibrate", "--target-epsilon", "2", "--delta", "1e-5",
+                       "-q", "0.01", "-T", "1000")
+    printed = float(out.split()[2])
+    assert printed >= z and printed == pytest.approx(z, rel=1e-5)
+    code, out, _ = run(capsys, "calibrate", "--target-epsilon", "10", "--delta", "1e-5",
+                       "-q", "1e-6", "-z", "5", "--accountant", "rdp")
+    assert out.startswith("steps = 1000000000 (the most searched)")
