@@ -165,9 +165,13 @@ def make_private(module: nn.Module, optimizer: torch.optim.Optimizer, data_loade
             raise ValueError("target_epsilon needs target_delta and epochs to calibrate the "
                              "noise multiplier")
         check.warn_unless_below_one_over_n(check.delta("target_delta", target_delta), n)
-        steps = epochs * steps_per_epoch(q)
+        steps = check.count("epochs", epochs, minimum=1) * steps_per_epoch(q)
         noise_multiplier = calibrate(target_epsilon, target_delta, q, steps,
                                      accountant) * _largest_clip_scale(clip_policy, steps)
+    elif target_delta is not None or epochs is not None:
+        raise ValueError(f"target_delta and epochs serve target_epsilon's calibration, and the "
+                         f"noise multiplier was given (got target_delta={target_delta!r}, "
+                         f"epochs={epochs!r}): drop them, or give target_epsilon instead")
     if statistics is not None and noise_multiplier is not None:  # the step's total
         noise_multiplier = batch_norm.gradient_noise_multiplier(noise_multiplier,
                                                                 len(statistics.layers))

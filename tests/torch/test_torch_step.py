@@ -419,6 +419,15 @@ def test_target_epsilon_calibrates_the_noise_up_front():
     with pytest.raises(ValueError, match="exactly one"):
         make_private(mlp(), torch.optim.SGD(mlp().parameters(), lr=0.1), DataLoader(ds),
                      max_grad_norm=1.0)
+    for bad, error, message in [(dict(epochs=True), TypeError, "epochs must be an integer"),
+                                (dict(epochs=1.5), TypeError, "epochs must be an integer"),
+                                (dict(epochs=0), ValueError, "epochs must be an integer >= 1")]:
+        with pytest.raises(error, match=message):
+            make_private(mlp(), torch.optim.SGD(mlp().parameters(), lr=0.1), DataLoader(ds),
+                         max_grad_norm=1.0, target_epsilon=2.0, target_delta=1e-5, **bad)
+    with pytest.raises(ValueError, match="target_delta and epochs serve target_epsilon's"):
+        make_private(mlp(), torch.optim.SGD(mlp().parameters(), lr=0.1), DataLoader(ds),
+                     max_grad_norm=1.0, noise_multiplier=1.0, epochs=3)
     other = mlp()
     with pytest.warns(UserWarning, match=r"delta=0\.02 is not below 1/n = 0\.01 \(n=100"):
         make_private(other, torch.optim.SGD(other.parameters(), lr=0.1),
