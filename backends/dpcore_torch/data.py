@@ -180,4 +180,3 @@ def check_whole_dataset(loader: DataLoader) -> None:
                          f"(Poisson, at rate q): the others would be trained on too. Pass the "
                          f"records to train on as the dataset (torch.utils.data.Subset(dataset, "
                          f"indices))")
-
