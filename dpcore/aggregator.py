@@ -271,15 +271,16 @@ class PrivateAggregator:
         counts = self._count_sums(factors, mask)
         self.record_release()
         # 16-bit sums noised in float32: scaled in float16, a std of 1e-8 drew zeros
-        wide = aggregation.as_floating({leaf: clipped_sums[leaf]
-                                        for leaf in self._mechanism.leaves})
+        narrow = [leaf for leaf in self._mechanism.leaves if _is_16_bit_float(clipped_sums[leaf])]
+        wide = {leaf: xp.astype(clipped_sums[leaf], xp.float32) for leaf in narrow}
         self.rng, released = aggregation.noisy_average(
             {**clipped_sums, **wide, **counts}, self._released, self.rng, self.standard_normal,
             self.expected_size, xp=self.backend.namespace())
         if counts:
             self._policy.observe(released)
             released = {leaf: released[leaf] for leaf in self._mechanism.leaves}
-        return aggregation.in_record_dtypes(released, clipped_sums)
+        return {**released, **{leaf: xp.astype(released[leaf], clipped_sums[leaf].dtype)
+                               for leaf in narrow}}
 
     def record_release(self) -> None:
         """Write the current step's sum-query events, once the checks of a release pass. The
@@ -536,5 +537,7 @@ def _unit(of) -> str:
 
 
 def _is_16_bit_float(a) -> bool:
-    xp = array_namespace(a)
-    return xp.isdtype(a.dtype, "real floating") and xp.finfo(a.dtype).bits < 32
+    """Whether ``a`` holds float16 or bfloat16, whatever its framework (by the dtype's name:
+    TensorFlow's tensors have no Array API namespace)."""
+    name = getattr(a.dtype, "name", None) or str(a.dtype).rsplit(".", 1)[-1]
+    return name in ("float16", "bfloat16")
