@@ -83,9 +83,14 @@ def grouped(groups: Mapping[str, Sequence[str]], leaf_sizes: Mapping[str, int], 
     missing = sorted({leaf for leaves in groups.values() for leaf in leaves} - set(leaf_sizes))
     if missing:
         raise ValueError(f"leaf_sizes lacks the size of leaves {missing}")
-    for leaf, size in leaf_sizes.items():
-        check.count(f"the size of leaf {leaf!r}", size)
-    sizes = [sum(leaf_sizes[leaf] for leaf in leaves) for leaves in groups.values()]
+    counts = {leaf: check.count(f"the size of leaf {leaf!r}", size)  # Python ints: no
+              for leaf, size in leaf_sizes.items()}                # wrap-around in a sum
+    sizes = [sum(counts[leaf] for leaf in leaves) for leaves in groups.values()]
+    empty = [name for name, size in zip(groups, sizes) if size == 0]
+    if empty:
+        raise ValueError(f"groups {empty} hold no values (leaves of size 0: "
+                         f"{[leaf for name in empty for leaf in groups[name]]}); leave those "
+                         f"leaves out, as they have nothing to release")
     clips = split_clip(total_clip, sizes, clip_split)
     noise = allocate_noise(clips, sizes, noise_multiplier, noise_split)
     return Mechanism(tuple(Group(name, tuple(leaves), s, sigma)

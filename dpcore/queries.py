@@ -78,6 +78,9 @@ def _precision(z: float) -> float:
     return math.inf if squared == 0 else 1 / squared
 
 
+SCALE_RANGE = (1e-12, 1e12)  # alpha_j whose 1/alpha_j^2 float32 holds with room to spare
+
+
 @dataclass(frozen=True)
 class Group:
     """Leaves clipped together to L2 norm ``clip`` (S_g), with noise of standard deviation
@@ -93,6 +96,10 @@ class Group:
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"group name must be a non-empty string, got {self.name!r}")
+        if isinstance(self.leaves, (set, frozenset, dict)):  # their order is the hash's
+            raise TypeError(f"group {self.name!r}: leaves must be ordered (a list or tuple), "
+                            f"got a {type(self.leaves).__name__}: a scale, and the order of "
+                            f"the noise, follow the leaves' order")
         leaves = (self.leaves,) if isinstance(self.leaves, str) else tuple(self.leaves)
         if not leaves:
             raise ValueError(f"group {self.name!r}: leaves must be non-empty")
@@ -108,11 +115,21 @@ class Group:
         object.__setattr__(self, "noise_std",
                            check.non_negative(f"group {self.name!r} noise_std", self.noise_std))
         if self.scales is not None:
+            if not isinstance(self.scales, (list, tuple)):
+                raise TypeError(f"group {self.name!r}: scales must be a list or tuple of one "
+                                f"scale per leaf, got {self.scales!r}")
+            if len(self.scales) != len(leaves):
+                raise ValueError(f"group {self.name!r}: {len(self.scales)} scales for "
+                                 f"{len(leaves)} leaves; give one scale per leaf")
             scales = tuple(check.positive(f"group {self.name!r} scale of {leaf!r}", a)
                            for leaf, a in zip(leaves, self.scales))
-            if len(tuple(self.scales)) != len(leaves):
-                raise ValueError(f"group {self.name!r}: {len(tuple(self.scales))} scales for "
-                                 f"{len(leaves)} leaves; give one scale per leaf")
+            for leaf, a in zip(leaves, scales):
+                if not SCALE_RANGE[0] <= a <= SCALE_RANGE[1]:
+                    raise ValueError(
+                        f"group {self.name!r}: the scale of {leaf!r} must lie in "
+                        f"[{SCALE_RANGE[0]:g}, {SCALE_RANGE[1]:g}], got {a!r}: its weight "
+                        f"1/alpha^2 in a float32 norm would round to 0 (the leaf then escapes "
+                        f"the clip) or overflow")
             object.__setattr__(self, "scales", scales)
 
     @property

@@ -75,3 +75,18 @@ def test_a_leaf_named_alone_is_one_leaf_and_leaf_sizes_are_counts():
         allocation.per_layer({"a": 5, "b": -3, "c": 2}, 1.0, 1.0, clip_split="dimension")
     with pytest.raises(TypeError, match=r"the size of leaf 'a' must be an integer, got 2.5"):
         allocation.grouped({"g": ["a"]}, {"a": 2.5}, 1.0, 1.0)
+
+
+def test_sizes_add_up_as_python_ints_and_an_empty_group_is_named():
+    """uint8 sizes 200 + 200 wrapped to 144 (int32 ones went negative) and split the clip
+    wrongly; a leaf of size 0 alone in its group was refused naming neither."""
+    import numpy as np
+
+    sizes = {"a": np.uint8(200), "b": np.uint8(200), "c": np.uint8(1)}
+    mechanism = allocation.grouped({"x": ("a", "b"), "y": ("c",)}, sizes, 1.0, 1.0,
+                                   clip_split="dimension")
+    assert [g.clip for g in mechanism.groups] == pytest.approx(
+        [(400 / 401) ** 0.5, (1 / 401) ** 0.5])
+    with pytest.raises(ValueError, match=r"groups \['empty'\] hold no values \(leaves of size "
+                                         r"0: \['empty'\]\)"):
+        allocation.per_layer({"w": 100, "empty": 0, "b": 10}, 1.0, 1.0)

@@ -52,6 +52,13 @@ def test_mechanism_noise_multiplier_and_leaves():
     (dict(scales=(1.0, 0.0)), r"scale of 'b' must be finite and > 0, got 0\.0"),
     (dict(scales=(1.0, -2.0)), r"scale of 'b' must be finite and > 0, got -2\.0"),
     (dict(scales=(1.0,)), r"1 scales for 2 leaves"),
+    # a set's order is its hash's: the scales went to other leaves from run to run
+    (dict(leaves={"a", "b"}, scales=(1.0, 100.0)), r"leaves must be ordered .* got a set"),
+    (dict(scales=(s for s in (1.0, 2.0))), r"scales must be a list or tuple"),  # was "0 scales"
+    (dict(scales=2.0), r"scales must be a list or tuple of one scale per leaf, got 2\.0"),
+    # 1/alpha^2 of 1e24 is 0 in float32: leaf b escaped its group's clip (10x the clip)
+    (dict(scales=(1.0, 1e24)), r"scale of 'b' must lie in \[1e-12, 1e\+12\], got 1e\+24"),
+    (dict(scales=(1e-160, 1.0)), r"scale of 'a' must lie in"),
     (dict(leaves=()), r"leaves must be non-empty"),
     (dict(leaves=("a", "a")), r"leaves \['a'\] appear more than once"),
     (dict(name=""), r"group name must be a non-empty string"),
