@@ -31,7 +31,8 @@ from .fallback import FallbackUnit, recording
 from .independence import Probe, probing, rerunning
 from .instrumentation import forget, instrumentation, set_by_dpcore
 from .layers import (PREFERENCES, RULES, AccumulationError, NotPerExampleError, Rule,
-                     add_contraction, full_precision, keep_rows, row_sq_norms, tick)
+                     add_contraction, check_lookup_table, full_precision, keep_rows,
+                     row_sq_norms, tick)
 from .recurrent import RECURRENT_RULES
 
 MODES = ("auto", "vmap")
@@ -301,6 +302,8 @@ class PerExampleEngine:
     def _add_fallback(self, module: nn.Module, *, recurse: bool, prefix: str) -> None:
         names = {k: self._leaf_of[id(p)]
                  for k, p in module.named_parameters(recurse=recurse) if p.requires_grad}
+        if names and isinstance(module, nn.EmbeddingBag):  # its own lookups, as Embedding's
+            check_lookup_table(module, prefix.rstrip(".") or "<root>")
         if names:
             self.units.append(FallbackUnit(module, names, recurse))
 

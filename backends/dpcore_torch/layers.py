@@ -650,17 +650,23 @@ class ConvRule(Rule):
 SHARED_POSITIONS = 8
 
 
+def check_lookup_table(module, name: str) -> None:
+    """Refuse an ``nn.Embedding`` or ``nn.EmbeddingBag`` whose lookups are not per example."""
+    kind = type(module).__name__
+    if module.scale_grad_by_freq:
+        raise ValueError(f"{kind} {name!r} has scale_grad_by_freq=True, which scales each "
+                         f"row's gradient by its frequency in the whole batch, so gradients "
+                         f"are not per example; construct it with scale_grad_by_freq=False")
+    if module.max_norm is not None:
+        raise ValueError(f"{kind} {name!r} has max_norm={module.max_norm}, which rescales "
+                         f"the rows the batch looks up in place, without noise: the weights "
+                         f"would show which ids the private batch held. Construct it with "
+                         f"max_norm=None")
+
+
 class EmbeddingRule(Rule):
     def check(self, module, name):
-        if module.scale_grad_by_freq:
-            raise ValueError(f"Embedding {name!r} has scale_grad_by_freq=True, which scales each "
-                             f"row's gradient by its frequency in the whole batch, so gradients "
-                             f"are not per example; construct it with scale_grad_by_freq=False")
-        if module.max_norm is not None:
-            raise ValueError(f"Embedding {name!r} has max_norm={module.max_norm}, which rescales "
-                             f"the rows the batch looks up in place, without noise: the weights "
-                             f"would show which ids the private batch held. Construct it with "
-                             f"max_norm=None")
+        check_lookup_table(module, name)
 
     def forward(self, module, use_list, args, kwargs):
         (indices,) = args

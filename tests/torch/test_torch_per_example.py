@@ -380,6 +380,12 @@ def test_an_embedding_with_max_norm_is_refused():
     with pytest.raises(ValueError, match="'0' has max_norm=1.0.*max_norm=None"):
         PerExampleEngine(nn.Sequential(nn.Embedding(50, 4, max_norm=1.0), nn.Flatten(),
                                        nn.Linear(4, 2)))
+    # an EmbeddingBag (a fallback module) too, by name: torch.func's internals had refused it
+    # mid-step ("embedding_renorm_ ... more elements than self")
+    for bag in [nn.EmbeddingBag(50, 4, max_norm=1.0),
+                nn.EmbeddingBag(50, 4, scale_grad_by_freq=True)]:
+        with pytest.raises(ValueError, match="EmbeddingBag '0' has (max_norm|scale_grad)"):
+            PerExampleEngine(nn.Sequential(bag, nn.Linear(4, 2)))
 
 
 @pytest.mark.parametrize("affine", [False, True])
