@@ -14,6 +14,7 @@ The module-level engine (:mod:`dpcore_torch.engine`) adds ghost norms and book-k
 
 from __future__ import annotations
 
+import functools
 import math
 import secrets
 import zlib
@@ -46,28 +47,27 @@ def _seed_mersenne_twister(gen: torch.Generator, seed: int) -> None:
     2^32 seeds are searched in hours, after which every release's noise could be subtracted.
     The words lie, one per uint64, at an offset of the state's bytes found from a seed whose
     words numpy's legacy ``RandomState`` (the same initialisation) computes."""
-    gen.manual_seed(_LAYOUT_SEED)
-    state = gen.get_state().numpy().copy()
-    start = _mt_words_offset(state)
+    state = gen.manual_seed(_LAYOUT_SEED).get_state().numpy().copy()
+    start = _mt_words_offset()
     words = np.random.SeedSequence(seed).generate_state(_MT_WORDS, np.uint32)
     state[start:start + 8 * _MT_WORDS] = words.astype(np.uint64).view(np.uint8)
     gen.set_state(torch.from_numpy(state))
 
 
 _LAYOUT_SEED = 5489
-_OFFSETS: list[int] = []
 
 
-def _mt_words_offset(state: np.ndarray) -> int:
-    if not _OFFSETS:
-        words = np.random.RandomState(_LAYOUT_SEED).get_state()[1].astype(np.uint64)
-        start = state.tobytes().find(words.view(np.uint8).tobytes())
-        if start < 0:
-            raise RuntimeError(f"torch {torch.__version__}: the CPU generator's state does "
-                               f"not hold its Mersenne Twister words as dpcore expects, so it "
-                               f"cannot be seeded with more than 32 bits; please report this")
-        _OFFSETS.append(start)
-    return _OFFSETS[0]
+@functools.cache
+def _mt_words_offset() -> int:
+    """Where a CPU generator's state bytes hold its Mersenne Twister words."""
+    state = torch.Generator().manual_seed(_LAYOUT_SEED).get_state().numpy()
+    words = np.random.RandomState(_LAYOUT_SEED).get_state()[1].astype(np.uint64)
+    start = state.tobytes().find(words.view(np.uint8).tobytes())
+    if start < 0:
+        raise RuntimeError(f"torch {torch.__version__}: the CPU generator's state does not "
+                           f"hold its Mersenne Twister words as dpcore expects, so it cannot "
+                           f"be seeded with more than 32 bits; please report this")
+    return start
 
 
 class DeviceGenerators:
