@@ -96,7 +96,8 @@ class Group:
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"group name must be a non-empty string, got {self.name!r}")
-        if isinstance(self.leaves, (set, frozenset, dict)):  # their order is the hash's
+        # a set's order is its hashes' (a dict's leaves would be its keys, its values lost)
+        if isinstance(self.leaves, (set, frozenset, dict)):
             raise TypeError(f"group {self.name!r}: leaves must be ordered (a list or tuple), "
                             f"got a {type(self.leaves).__name__}: a scale, and the order of "
                             f"the noise, follow the leaves' order")
