@@ -14,13 +14,13 @@ from .budget import BudgetExhaustedError, PrivacyBudget
 from .ledger import Ledger, LedgerError, SamplingEvent, Step, SumQueryEvent, read_ledger
 from .plugins import available_backends, get_backend
 from .queries import Group, Mechanism, effective_noise_multiplier, noise_multiplier_left
-from .sampling import PoissonSampler, poisson_sample
+from .sampling import Buckets, PoissonSampler, poisson_sample
 from .schedules import ClipSchedule
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Backend", "BudgetExhaustedError", "ClipSchedule", "Group", "Ledger", "LedgerError",
+    "Backend", "Buckets", "BudgetExhaustedError", "ClipSchedule", "Group", "Ledger", "LedgerError",
     "Mechanism", "PoissonSampler", "PrivacyBudget", "PrivateAggregator", "QuantileClipping",
     "SamplingEvent", "Step", "SumQueryEvent", "available_backends",
     "effective_noise_multiplier", "flat", "get_backend", "grouped", "noise_multiplier_left",

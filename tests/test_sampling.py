@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dpcore.sampling import PoissonSampler, poisson_sample, steps_per_epoch
+from dpcore.sampling import Buckets, PoissonSampler, poisson_sample, steps_per_epoch
 
 
 def test_sample_sizes_follow_the_binomial_law():
@@ -63,3 +63,12 @@ def test_steps_per_epoch_rounds_halves_up():
         [1, 1, 3, 3, 4, 4, 1000]
     with pytest.raises(ValueError, match="q"):
         steps_per_epoch(0.0)
+
+
+def test_buckets():
+    buckets = Buckets(256.0, 0.0256)
+    assert buckets.granularity == 8
+    assert [buckets.size_for(r) for r in (0, 1, 8, 9, 256, 257)] == [8, 8, 8, 16, 256, 264]
+    assert Buckets(256.0, granularity=5, multiple_of=4).granularity == 8
+    with pytest.raises(ValueError, match="expected_size must be finite and > 0"):
+        Buckets(0.0)

@@ -1,13 +1,8 @@
 """Poisson batches of fixed shapes, so that a compiled step is reused across steps.
 
-A Poisson sample of rate q from n records has Binomial(n, q) size: mean q n, standard
-deviation s = sqrt(q n (1 - q)). Compiling one program per realised size would recompile
-almost every step, so each sample is padded up to a *bucket*: the next multiple of a
-granularity k. Sizes stay within q n +- 4 s except with probability < 1e-4 per step, so about
-8 s / k + 1 buckets occur; the default k = ceil(s / 2) (rounded up to a multiple of
-``multiple_of``) gives about 17 shapes at an average padding of k / 2 = s / 4 rows, which for
-q n = 256 is 4 rows (1.5%). Padded rows carry ``mask`` False and are zeroed in norms, sums and
-counts; the average is divided by q n, never by the realised size.
+Each sample is padded up to its bucket (:class:`dpcore.sampling.Buckets`, about 17 shapes).
+Padded rows carry ``mask`` False and are zeroed in norms, sums and counts; the average is
+divided by q n, never by the realised size.
 
 With a ``sharding`` that cuts the batch's first axis over d devices (``NamedSharding(mesh,
 P("data"))``), buckets are multiples of d and each batch is placed so; a step compiled for
@@ -17,40 +12,13 @@ clipped sums across devices (XLA inserts the sum), with the noise drawn once, fr
 
 from __future__ import annotations
 
-import math
 from typing import Iterator, Sequence
 
 import jax
 import numpy as np
 
 from dpcore import _validation as check
-
-
-class Buckets:
-    """Padded sizes: multiples of ``granularity`` (at least one bucket, even for an empty
-    sample). ``granularity=None`` derives it from the expected size q n and the sampling
-    rate q as described in the module docstring; ``multiple_of`` (e.g. a chunk size or the
-    number of accumulation steps) divides every bucket."""
-
-    def __init__(self, expected_size: float, q: float = 0.0, *, granularity: int | None = None,
-                 multiple_of: int = 1):
-        expected_size = check.positive("expected_size", expected_size)
-        q = check.probability("q", q, allow_zero=True)
-        self.multiple_of = check.count("multiple_of", multiple_of, minimum=1)
-        if granularity is None:
-            spread = math.sqrt(expected_size * (1.0 - q))
-            granularity = max(1, math.ceil(spread / 2))
-        granularity = check.count("granularity", granularity, minimum=1)
-        self.granularity = math.ceil(granularity / self.multiple_of) * self.multiple_of
-
-    def size_for(self, rows: int) -> int:
-        """The bucket for a sample of ``rows`` records: the smallest multiple of the
-        granularity that holds them (one granularity for an empty sample)."""
-        rows = check.count("rows", rows)
-        return max(1, math.ceil(rows / self.granularity)) * self.granularity
-
-    def __repr__(self) -> str:
-        return f"Buckets(granularity={self.granularity})"
+from dpcore.sampling import Buckets
 
 
 def pad(data, indices: np.ndarray, size: int):

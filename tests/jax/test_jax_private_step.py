@@ -624,15 +624,6 @@ def test_compiled_shapes_over_a_thousand_poisson_steps_stay_few():
     assert len(agg.ledger.events) == 2000
 
 
-def test_buckets():
-    buckets = Buckets(256.0, 0.0256)
-    assert buckets.granularity == 8
-    assert [buckets.size_for(r) for r in (0, 1, 8, 9, 256, 257)] == [8, 8, 8, 16, 256, 264]
-    assert Buckets(256.0, granularity=5, multiple_of=4).granularity == 8
-    with pytest.raises(ValueError, match="expected_size must be finite and > 0"):
-        Buckets(0.0)
-
-
 def test_backend_private_gradient_is_the_fused_step_and_writes_the_ledger():
     rng = np.random.default_rng(9)
     loss_fn, params = models.model(rng, "logistic")
