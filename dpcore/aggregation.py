@@ -223,6 +223,23 @@ def leaf_noise_stds(mechanism: Mechanism) -> Mapping[str, float]:
                              for leaf in group.leaves})
 
 
+def structure(mechanism: Mechanism) -> tuple:
+    """What a compiled step depends on: the groups' names, leaves and scales (not the clips
+    or the noise)."""
+    return tuple((g.name, g.leaves, g.scales) for g in mechanism.groups)
+
+
+def clips_of(mechanism: Mechanism) -> list[float]:
+    """S_g, group by group."""
+    return [g.clip for g in mechanism.groups]
+
+
+def leaf_stds_of(mechanism: Mechanism, leaves: Sequence[str]) -> list[float]:
+    """alpha_j sigma~_g for every leaf, in ``leaves`` order."""
+    stds = leaf_noise_stds(mechanism)
+    return [stds[leaf] for leaf in leaves]
+
+
 PER_LEAF_ADD = 2 ** 14  # average values per leaf from which sums are added leaf by leaf
 
 

@@ -24,11 +24,11 @@ from typing import Callable, Mapping
 import numpy as np
 import tensorflow as tf
 
-from dpcore.aggregation import NonFiniteNormError, check_mask_values
+from dpcore.aggregation import NonFiniteNormError, check_mask_values, clips_of
 from dpcore.backend import GHOST_NORMS, JIT, PER_EXAMPLE_GRADS, Backend
 
 from . import vectorized
-from .kernels import GroupClipper, clips_of, refuse_16_bit
+from .kernels import GroupClipper, refuse_16_bit
 from .namespace import namespace
 
 

@@ -12,7 +12,7 @@ For B records, L leaves in a fixed order and G groups of a :class:`dpcore.Mechan
 The formulas are the core's; the tests compare both on the same inputs. Clips and noise
 standard deviations enter as tensors, so clips that move from step to step (schedules,
 adaptive clipping) reuse one compiled step; only the partition into groups and the scales
-alpha_j are fixed (:func:`structure`).
+alpha_j are fixed (:func:`dpcore.aggregation.structure`).
 """
 
 from __future__ import annotations
@@ -22,27 +22,10 @@ from typing import Mapping, Sequence
 
 import tensorflow as tf
 
-from dpcore.aggregation import group_weights, leaf_noise_stds
+from dpcore.aggregation import group_weights, structure
 from dpcore.queries import Mechanism
 
 from .layer_grads import in_xla
-
-
-def structure(mechanism: Mechanism) -> tuple:
-    """What a compiled step depends on: the groups' names, leaves and scales (not the clips
-    or the noise)."""
-    return tuple((g.name, g.leaves, g.scales) for g in mechanism.groups)
-
-
-def clips_of(mechanism: Mechanism) -> list[float]:
-    """S_g, group by group."""
-    return [g.clip for g in mechanism.groups]
-
-
-def leaf_stds_of(mechanism: Mechanism, leaves: Sequence[str]) -> list[float]:
-    """alpha_j sigma~_g for every leaf, in ``leaves`` order."""
-    stds = leaf_noise_stds(mechanism)
-    return [stds[leaf] for leaf in leaves]
 
 
 class GroupClipper:

@@ -24,12 +24,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from dpcore.aggregation import NonFiniteNormError, check_mask_values
+from dpcore.aggregation import (NonFiniteNormError, check_mask_values, clips_of, leaf_stds_of,
+                                structure)
 
 from .bookkeeping import ClippedGradients
 from .independence import IndependenceCheck
-from .kernels import (GroupClipper, clips_of, leaf_stds_of, noisy_mean, refuse_16_bit,
-                      structure)
+from .kernels import GroupClipper, noisy_mean, refuse_16_bit
 
 
 def per_example_loss(loss) -> Callable:
