@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import LinearRule, Rule, Use, _Linear, birth, cast_to, keep_rows
+from .layers import LinearRule, Rule, Use, _Linear, birth, cast_to, keep_rows, parameter
 
 _LINEAR = LinearRule()
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
@@ -107,7 +107,7 @@ def _in_projection(module, call, inputs):
     out = []
     for run in runs:
         lo, hi = run[0] * e, (run[-1] + 1) * e
-        weight = module.get_parameter(names[run[0]])
+        weight = parameter(module, names[run[0]])
         w_rows = slice(lo, hi) if packed else _ALL
         bias, bias_at = module.in_proj_bias, None
         if bias is not None:
@@ -212,7 +212,7 @@ class AttentionRule(Rule):
         """(parameter, its pieces, whether their rows are disjoint). Rows used by two maps
         (a parameter tied within the layer: ``k_proj_weight = q_proj_weight``) add up
         their gradients, so their norms do not add."""
-        p = module.get_parameter(name)
+        p = parameter(module, name)
         pieces = call.pieces(p)
         spans = sorted(rows.indices(p.shape[0])[:2] for _, rows, _ in pieces)
         return p, pieces, all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))

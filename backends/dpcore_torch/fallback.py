@@ -36,7 +36,7 @@ from .call_buffers import CallBuffers
 from .draws import Recording, Replayer, ReplayMismatchError, alias, share, unobserved
 from .independence import NotPerExampleError, probing
 from .instrumentation import instrumentation
-from .layers import birth, cast_to, keep_rows, late_backward, tick
+from .layers import birth, cast_to, keep_rows, late_backward, parameter, tick, tracing
 from .rows import Rows
 from .taps import Kept, Taps
 
@@ -227,8 +227,8 @@ class FallbackUnit:
         stops, swapped = {}, []
         for holder, attr, key in self._slots.values():
             p = holder._parameters[attr]
-            if not isinstance(p, nn.Parameter):  # held by another unit's call already
-                continue
+            if p.grad_fn is not None:  # held by another unit's call already (a _Stop's output;
+                continue  # a parameter, or its copy in a compiled step's trace, is a leaf)
             if key not in stops:
                 stops[key] = _Stop.apply(p, _ignore if taps is None
                                          else partial(taps.receive, key))
@@ -359,7 +359,7 @@ class FallbackUnit:
         """{key: (B, *shape)} per-example gradients of this call (cached)."""
         if call.cache is not None:
             return call.cache
-        params = {k: self.module.get_parameter(k).detach() for k in self.names}
+        params = {k: parameter(self.module, k).detach() for k in self.names}
         # copies: a replay that changes a parameter in place (a clamp, an initialisation
         # from the example) must not change the model's
         copies = {k: p.clone() for k, p in params.items()}
@@ -467,8 +467,9 @@ class FallbackUnit:
                 if hook is not None:
                     hook.remove()
                 left.clear()
-        self._check_replay(call, deviation, scale)
-        self._check_buffers(call, drifts)
+        if not tracing():  # value checks; a compiled step's eager steps made them
+            self._check_replay(call, deviation, scale)
+            self._check_buffers(call, drifts)
         call.cache = dict.fromkeys(self.names, 0)
         for slot, (_, _, key) in self._slots.items():  # a parameter's slots add up
             call.cache[key] = call.cache[key] + by_slot[slot]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import threading
 import time
 
 import torch
@@ -39,6 +40,35 @@ from torch.nn.grad import conv1d_input, conv2d_input
 from dpcore.rounding import ghost_margin, sum_margin
 
 from .independence import NotPerExampleError, probing
+
+
+_trace = threading.local()
+
+
+@contextlib.contextmanager
+def traced():
+    """Within: the step is being traced into a graph of tensor operations
+    (:mod:`dpcore_torch.compiled`), where a value cannot steer Python: rules take forms whose
+    shapes do not depend on the data, and make no choice by timing."""
+    before = tracing()
+    _trace.on = True
+    try:
+        yield
+    finally:
+        _trace.on = before
+
+
+def tracing() -> bool:
+    """Whether the step is being traced (:func:`traced`)."""
+    return getattr(_trace, "on", False)
+
+
+def parameter(module: nn.Module, name: str):
+    """``module.get_parameter(name)`` without its type check: under
+    ``torch.func.functional_call`` (a compiled step's trace) the parameters are plain
+    tensors."""
+    prefix, _, attr = name.rpartition(".")
+    return getattr(module.get_submodule(prefix) if prefix else module, attr)
 
 
 def keep_rows(t, keep):
@@ -515,7 +545,8 @@ class ConvRule(Rule):
         wins everywhere (oneDNN's grouped weight gradient is fast for 3x3 kernels with 8-64
         channels on 16x16 and larger images, shifted rows for 5x5 kernels, few input channels
         or small images: docs/benchmarks-history.md, eleventh session). Other devices take
-        ``"convolution"`` under ``"auto"``."""
+        ``"convolution"`` under ``"auto"``, as does a traced step unless an eager step timed
+        this configuration."""
         if CONV_FORM not in CONV_FORMS:
             raise ValueError(f"dpcore_torch.layers.CONV_FORM must be one of {CONV_FORMS}, "
                              f"got {CONV_FORM!r}")
@@ -528,6 +559,8 @@ class ConvRule(Rule):
         key = (type(module), use.x.shape[1:], use.g.shape[1:], module.weight.shape,
                module.dilation, module.groups, use.x.dtype)
         form = self._faster.get(key)
+        if form is None and tracing():  # fake tensors: nothing to time
+            return "convolution"
         if form is None:
             timings = {}
             for name, make in (("shifted", self._shifted_rows_grad),
@@ -670,8 +703,8 @@ class EmbeddingRule(Rule):
 
     def forward(self, module, use_list, args, kwargs):
         (indices,) = args
-        if indices.dim() == 1 and indices.numel() >= SHARED_POSITIONS and torch.equal(
-                indices, torch.arange(indices.numel(), device=indices.device)):
+        if (indices.dim() == 1 and indices.numel() >= SHARED_POSITIONS and not tracing()
+                and torch.equal(indices, torch.arange(indices.numel(), device=indices.device))):
             t = indices.numel()
             raise NotPerExampleError(
                 f"{type(module).__name__} was called on torch.arange({t}), positions shared by "
@@ -707,6 +740,8 @@ class EmbeddingRule(Rule):
         gradient; the sums cover only the repeated lookups."""
         k, g = self._kg(module, use)
         g = _wide(g)
+        if tracing():
+            return self._sorted_sq_norm(k, g)
         row_norms = torch.linalg.vector_norm(g, dim=2)  # (B, T)
         row_sq = row_norms.square()
         ordered, order = k.sort(1)
@@ -730,6 +765,25 @@ class EmbeddingRule(Rule):
         bounded = torch.linalg.vector_norm(sums, dim=1).addcmul_(margins, spans).square_()
         once = row_sq.masked_fill_(repeated, 0).sum(1)
         return once.index_add_(0, distinct // vocab, bounded)
+
+    @staticmethod
+    def _sorted_sq_norm(k, g):
+        """:meth:`sq_norm` in shapes that do not depend on the data (a traced step): each
+        example's lookups sorted by index, the backprop rows of each run of equal indices
+        summed into slot r of the run (B, T, d) by one scatter, the same margins on runs of
+        two or more rows. Work B T d on every lookup, repeated or not."""
+        b, t, d = g.shape
+        ordered, order = k.sort(1)
+        starts = torch.cat([torch.ones_like(ordered[:, :1], dtype=torch.bool),
+                            ordered[:, 1:] != ordered[:, :-1]], 1)
+        run = starts.long().cumsum(1) - 1  # (B, T): the run of each sorted lookup
+        row_norms = torch.linalg.vector_norm(g, dim=2).gather(1, order)
+        sums = torch.zeros_like(g).scatter_add_(
+            1, run[:, :, None].expand(b, t, d), g.gather(1, order[:, :, None].expand(b, t, d)))
+        spans = torch.zeros_like(row_norms).scatter_add_(1, run, row_norms)
+        counts = torch.zeros_like(row_norms).scatter_add_(1, run, torch.ones_like(row_norms))
+        margins = torch.where(counts > 1, sum_margin(d, counts, torch.finfo(g.dtype).eps), 0)
+        return torch.linalg.vector_norm(sums, dim=2).addcmul_(margins, spans).square_().sum(1)
 
     def add_weighted_sum(self, module, use, name, c, out) -> None:
         if name in use.cache:

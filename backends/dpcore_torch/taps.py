@@ -32,6 +32,7 @@ import math
 import torch
 
 from .independence import probing
+from .layers import tracing
 
 # (function, the operands' roles): the forms above, as the torch function mode sees them
 _ADD = {torch.Tensor.add, torch.add, torch.Tensor.__add__, torch.Tensor.__radd__}
@@ -173,8 +174,10 @@ class Taps:
     def grads(self, dtype):
         """{key: (B, *shape)} per-example gradients in ``dtype``, or None where the taps do
         not account for the gradient every parameter received, or the rows of the call
-        were not followed to the end (:class:`dpcore_torch.rows.Rows`)."""
-        if not self.complete or self.rows.lost is not None:
+        were not followed to the end (:class:`dpcore_torch.rows.Rows`), and in a traced step
+        (:func:`.layers.tracing`), where the check that they account for it cannot steer the
+        program: the replay forms them there."""
+        if not self.complete or self.rows.lost is not None or tracing():
             return None
         out = {}
         for key, uses in self.uses.items():
