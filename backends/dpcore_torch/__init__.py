@@ -3,6 +3,8 @@
 * :func:`make_private` - model, optimizer and loader in, private ones out (the Opacus-style path);
 * :class:`PerExampleEngine` + :func:`private_grads` - the functional step for custom loops
   (:func:`clip_into` to accumulate a Poisson sample over micro-batches);
+* :class:`CompiledPrivateStep` - the functional step traced and compiled by TorchInductor, one
+  call per step (small models, where eager overhead dominates);
 * :func:`poisson_loader` - Poisson-sampled batches (empty batches included);
 * :class:`BatchNormStatistics` - BatchNorm layers trained with privately released statistics;
 * :func:`register_linear` - another library's linear layer class (GPT-2's ``Conv1D``) run
@@ -19,6 +21,7 @@ _HOME = {
     "TorchBackend": "backend",
     "PoissonBatchSampler": "data", "poisson_loader": "data",
     "BatchNormStatistics": "batch_norm",
+    "CompiledPrivateStep": "compiled",
     "AccumulationError": "engine", "LeakedGradientError": "engine",
     "NotPerExampleError": "engine",
     "PerExampleEngine": "engine",

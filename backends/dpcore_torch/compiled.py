@@ -1,0 +1,276 @@
+"""The compiled private step: the per-example engine's whole step, traced once per padded batch
+shape into one graph of ATen operations and compiled by TorchInductor.
+
+Eagerly, a small model's DP step is dominated by per-operation overhead, not arithmetic: the
+covertype MLP's norms, clip factors, clipped sums and noise are some 40 operations of 6-9 us
+each beside a 0.6 ms step (docs/benchmarks-history.md). Compiled, they fuse into a few loops
+around the same matrix products as the non-private step. One step:
+
+1. host: the batch is padded to its bucket (:class:`dpcore.sampling.Buckets`, about 17 shapes
+   over a run) with ``mask`` marking the real rows; ``aggregator.begin_step()`` writes the
+   sampling event (and applies a budget); the step's clips S_g and leaf noise stds
+   alpha_j sigma~_g are read from the mechanism in force; N(0, 1) normals, one per parameter
+   value, are drawn from the aggregator's generator (the backend's ``torch.Generator``, or the
+   system's CSPRNG with ``secure=True``), afresh every step;
+2. graph: the model's forward (through :class:`~dpcore_torch.engine.PerExampleEngine`, whose
+   layer rules and fallbacks are used unchanged) on the parameters as inputs
+   (``torch.func.functional_call``), the backward pass of sum_i mask_i loss_i, squared norms,
+   clip factors (padded and non-finite rows: 0, their kept tensors zeroed), the clipped sums
+   added into alpha_j sigma~_g times the normals, the division by q n;
+3. host: under ``on_nonfinite="raise"`` a real record with a NaN or Inf norm raises and
+   nothing is released; otherwise the step's sum-query events are written and the private
+   average gradient becomes every parameter's ``.grad``.
+
+Tracing (``make_fx`` on fake tensors) records tensor operations only, so what cannot be a
+fixed graph fails at tracing, naming the cause, rather than freezing one batch's values into
+the program: a Python branch on a tensor's value, a tensor the model holds that is neither a
+parameter nor a buffer, a rule whose shapes depend on the data. Checks the engine makes on
+Python objects (parameters used outside their layer, several backward passes, rows folded
+into the batch) run at tracing; they depend on the model and the shapes only. The first two
+steps run the same function eagerly, with the checks the engine makes on values: that the
+model keeps the examples apart (:mod:`dpcore_torch.independence`), that a fallback module's
+replay of each example gives its output in the batch. Later steps, compiled, do not repeat
+them. Convolutions take the form the eager steps timed faster.
+
+The program runs with float32 matrix products at full precision throughout (the eager engine
+asks it for its norms and sums only): its graph does not separate the model's products from
+the norms'.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from array_api_compat import torch as xp
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from dpcore.aggregation import (NonFiniteNormError, clip_factors, clips_of, group_norms,
+                                leaf_stds_of, structure)
+from dpcore.sampling import Buckets
+
+from .backend import TorchBackend
+from .engine import LeakedGradientError, PerExampleEngine
+from .layers import full_precision, traced
+
+EAGER_STEPS = 2  # steps run eagerly first: the engine's checks of values, and its timings
+
+
+class _Step(nn.Module):
+    """The traced function as a module with the model as its child, so that
+    ``torch.func.functional_call`` swaps the parameters and buffers in for the whole step
+    (the rules read ``module.weight`` while they form norms and sums, after the forward)."""
+
+    def __init__(self, model: nn.Module, engine: PerExampleEngine, loss_fn: Callable,
+                 mechanism, expected_size: float):
+        super().__init__()
+        self.model = model
+        # not submodules or state of this module: plain attributes
+        self.__dict__.update(engine=engine, loss_fn=loss_fn, mechanism=mechanism,
+                             expected_size=expected_size)
+
+    def forward(self, leaves, inputs, target, mask, normals, clips, stds):
+        engine, mechanism = self.engine, self.mechanism
+        order = list(engine.params)
+        with torch.enable_grad():
+            losses = self.loss_fn(self.model(*inputs), target)
+            if tuple(losses.shape) != tuple(mask.shape):
+                raise ValueError(
+                    f"loss_fn must return one loss per example, shape ({mask.shape[0]},), got "
+                    f"{tuple(losses.shape)}: pass an unreduced loss (reduction='none')")
+            torch.where(mask, losses, 0).sum().backward()
+        leaked = sorted(name for name, p in leaves.items() if p.grad is not None)
+        if leaked:
+            raise LeakedGradientError(
+                f"parameters {leaked} received gradients from a use outside the call of the "
+                f"module that owns it (e.g. F.linear(h, layer.weight), or a penalty on the "
+                f"parameters in the loss), which dpcore cannot see per example. Use the weight "
+                f"only through modules (tie weights by assigning the same Parameter to two "
+                f"modules) and regularise through the optimizer (weight_decay)")
+        with torch.no_grad():
+            sq_norms = engine.sq_norms(mechanism.leaves)
+            norms = group_norms(sq_norms, mechanism, mechanism.leaves, xp=xp)
+            finite = torch.isfinite(norms).all(1)
+            factors = clip_factors(norms, clips, mask=mask, on_nonfinite="drop", xp=xp)
+            # padded rows, and records dropped for a NaN or Inf, must not reach the sums as
+            # 0 * NaN: their kept inputs and backprops are zeroed
+            engine.keep_records(finite & mask)
+            pieces = normals.split([engine.params[leaf].numel() for leaf in order])
+            sums = {leaf: (piece * stds[j]).view(engine.params[leaf].shape)
+                    for j, (leaf, piece) in enumerate(zip(order, pieces))}
+            engine.add_clipped_sums(factors, mechanism.group_index, sums)
+            engine.clear()
+            means = {leaf: sums[leaf] / self.expected_size for leaf in order}
+        return means, mask & ~finite
+
+
+def _as_tuple(x) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _rows(tensors) -> int:
+    sizes = {t.shape[0] for t in tensors if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(f"every tensor of the batch needs the examples on axis 0, with one "
+                         f"size; got sizes {sorted(sizes)}")
+    return sizes.pop()
+
+
+def _pad(t, size: int):
+    """``t`` with zero rows appended up to ``size`` rows (anything but a tensor as it is)."""
+    if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] == size:
+        return t
+    return torch.cat([t, t.new_zeros((size - t.shape[0], *t.shape[1:]))])
+
+
+def _untraceable(args, error: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"the private step could not be traced into a graph for batches of "
+        f"{args[4].shape[0]} rows: {type(error).__name__}: {error}. Tracing needs the model's "
+        f"tensor operations to be the same for every batch of one shape (no branch on a "
+        f"tensor's value; every tensor it reads a parameter, buffer or input). Run this model "
+        f"with make_private or private_grads (eager)")
+
+
+class CompiledPrivateStep:
+    """``step(inputs, target)``: one DP step of ``model`` on a Poisson sample, compiled.
+
+    ``loss_fn(model(*inputs), target)`` must return one loss per example, shape (B,)
+    (``nn.CrossEntropyLoss(reduction="none")``); ``inputs`` is a tensor or a tuple of the
+    model's positional arguments, ``target`` anything ``loss_fn`` takes (tensors in it with
+    the examples on axis 0). ``aggregator`` is a :class:`dpcore.PrivateAggregator` on the torch
+    backend whose mechanism names the model's trainable parameters; its ``sampler`` draws the
+    samples (``poisson_loader(dataset, q, sampler=aggregator.sampler)``). Each call is one step:
+    it writes the sampling event, draws the noise, runs the program of the batch's bucket
+    (``buckets``, by default :class:`dpcore.sampling.Buckets` of the aggregator's q n and q),
+    writes the sum-query events and sets every parameter's ``.grad`` to the private average
+    gradient, which it also returns ({parameter name: tensor}); then call
+    ``optimizer.step()``. ``prefer`` is the engine's (ghost norms or materialised gradients),
+    ``check_independence`` its check that the model keeps the examples apart, made on the
+    first two steps, which run eagerly. The model stays instrumented until :meth:`detach`.
+
+    Clip schedules are served (clips and noise stds are inputs of the program); adaptive
+    clipping, whose counts are released beside the gradient, is not (use
+    :func:`dpcore_torch.private_grads`).
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Callable, aggregator, *,
+                 buckets: Buckets | None = None, prefer: str = "memory",
+                 check_independence: bool = True):
+        if not isinstance(aggregator.backend, TorchBackend):
+            raise TypeError(f"the aggregator's backend must be the torch backend, got "
+                            f"{aggregator.backend!r}; create it with backend='torch'")
+        if aggregator.count_groups:
+            raise ValueError("the aggregator releases adaptive clipping's counts beside the "
+                             "gradient; the compiled step releases the gradient only: use "
+                             "dpcore_torch.private_grads, or a ClipSchedule")
+        self.engine = PerExampleEngine(model, loss_reduction="sum", prefer=prefer,
+                                       check_independence=check_independence)
+        try:
+            self._check_params(aggregator)
+        except BaseException:
+            self.engine.detach()
+            raise
+        self.model, self.loss_fn, self.aggregator = model, loss_fn, aggregator
+        self.buckets = buckets or Buckets(aggregator.expected_size, aggregator.q)
+        self._structure = structure(aggregator.mechanism)
+        self._step = _Step(model, self.engine, loss_fn, aggregator.mechanism,
+                           aggregator.expected_size)
+        self._eager = EAGER_STEPS
+        self._values = sum(p.numel() for p in self.engine.params.values())  # normals a step
+        self._buffered = any(True for _ in model.buffers())
+        self._programs: dict[tuple, Callable] = {}
+        self._inputs = (None, None)  # (mechanism, (clips, stds) tensors) of the last step
+
+    def _check_params(self, aggregator) -> None:
+        aggregator.mechanism.check_leaves(self.engine.params)
+        kinds = {(p.dtype, p.device) for p in self.engine.params.values()}
+        if len(kinds) > 1:
+            raise ValueError(f"the compiled step draws one noise vector for all parameters, "
+                             f"which must share a dtype and device; got {sorted(map(str, kinds))}")
+
+    def __call__(self, inputs, target) -> dict[str, torch.Tensor]:
+        inputs = _as_tuple(inputs)
+        targets = (target,) if isinstance(target, torch.Tensor) else _as_tuple(target)
+        rows = _rows([*inputs, *targets])
+        size = self.buckets.size_for(rows)
+        inputs = tuple(_pad(t, size) for t in inputs)
+        target = (_pad(target, size) if isinstance(target, torch.Tensor)
+                  else type(target)(_pad(t, size) for t in target))
+        params = {name: p.detach() for name, p in self.engine.params.items()}
+        like = next(iter(params.values()))
+        mask = torch.arange(size, device=like.device) < rows
+        agg = self.aggregator
+        agg.begin_step()
+        clips, stds = self._clips_and_stds()
+        agg.rng, normals = agg.standard_normal(agg.rng, (self._values,), like)
+        buffers = dict(self.model.named_buffers()) if self._buffered else {}
+        args = (params, buffers, inputs, target, mask, normals, clips, stds)
+        with full_precision():
+            if self._eager:
+                means, bad = self._run(*args)
+                self._eager -= 1
+            else:
+                means, bad = self._program((*inputs, *_as_tuple(target)), args)(*args)
+        if agg.on_nonfinite == "raise" and bool(bad.any()):
+            bad_rows = torch.nonzero(bad).flatten().tolist()
+            raise NonFiniteNormError(
+                f"records {bad_rows[:10]}{' ...' if len(bad_rows) > 10 else ''} of this batch "
+                f"have a NaN or infinite gradient norm; nothing was released. Fix the model "
+                f"or loss, or create the aggregator with on_nonfinite='drop'")
+        agg.record_release()
+        for name, p in self.engine.params.items():
+            p.grad = means[name]
+        return means
+
+    def _clips_and_stds(self):
+        """The step's clips S_g (G,) and leaf stds (L,) as tensors, remade when the
+        mechanism moves (a clip schedule); its groups, leaves and scales must not."""
+        mechanism = self.aggregator.mechanism
+        if mechanism is not self._inputs[0]:
+            if structure(mechanism) != self._structure:
+                raise ValueError("the aggregator's groups changed since this step was built; "
+                                 "build a new CompiledPrivateStep")
+            like = next(iter(self.engine.params.values()))
+            self._inputs = (mechanism, tuple(
+                torch.tensor(values, dtype=like.dtype, device=like.device) for values in
+                (clips_of(mechanism), leaf_stds_of(mechanism, list(self.engine.params)))))
+        return self._inputs[1]
+
+    def _run(self, params, buffers, inputs, target, mask, normals, clips, stds):
+        """The step as a function of tensors only (what is traced)."""
+        leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
+        state = {**{f"model.{k}": v for k, v in leaves.items()},
+                 **{f"model.{k}": v for k, v in buffers.items()}}
+        return torch.func.functional_call(
+            self._step, state, (leaves, inputs, target, mask, normals, clips, stds))
+
+    def _program(self, batch, args) -> Callable:
+        """The compiled program for the shapes and dtypes of the padded ``batch`` (the
+        tensors of inputs and target; everything else keeps its shapes), traced on first
+        use."""
+        key = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
+                    for t in batch)
+        program = self._programs.get(key)
+        if program is None:
+            try:
+                with traced():
+                    graph = make_fx(lambda *a: self._run(*a), tracing_mode="fake")(*args)
+            except (RuntimeError, ValueError) as error:
+                if type(error).__module__.startswith("dpcore") or type(error) is ValueError:
+                    raise  # dpcore's own refusals (a leaked gradient, mixed rows, ...)
+                raise _untraceable(args, error) from error
+            except Exception as error:
+                raise _untraceable(args, error) from error
+            program = self._programs[key] = torch.compile(graph, fullgraph=True,
+                                                          dynamic=False)
+        return program
+
+    def compiled_shapes(self) -> int:
+        """How many programs have been traced and compiled (one per bucket and dtypes)."""
+        return len(self._programs)
+
+    def detach(self) -> None:
+        """Restore the model's own forward methods (the engine's :meth:`detach`)."""
+        self.engine.detach()

@@ -1,0 +1,295 @@
+"""The compiled private step (dpcore_torch.compiled) against a float64 oracle that clips the
+gradients of one example at a time, and its noise, padding, ledger and refusals."""
+
+import copy
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import dpcore  # noqa: E402
+from dpcore.aggregation import NonFiniteNormError  # noqa: E402
+from dpcore_torch import CompiledPrivateStep, LeakedGradientError, NotPerExampleError  # noqa: E402
+
+RTOL = 1e-6
+LOSS = nn.CrossEntropyLoss(reduction="none")
+
+
+class Seq(nn.Module):
+    """Embedding (a padding row, repeated tokens), Conv1d, GroupNorm, LayerNorm and a Linear
+    layer on (B, T, d)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(13, 6, padding_idx=0)
+        self.conv = nn.Conv1d(6, 8, 3, padding=1)
+        self.gn = nn.GroupNorm(2, 8)
+        self.ln = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, k):
+        h = self.gn(self.conv(self.emb(k).transpose(1, 2))).transpose(1, 2)
+        return self.fc(torch.tanh(self.ln(h))).mean(1)
+
+
+class Image(nn.Module):
+    """Conv2d with stride, groups and dilation, then a Linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(2, 4, 3, stride=2, padding=1)
+        self.c2 = nn.Conv2d(4, 4, 3, padding=1, groups=2)
+        self.c3 = nn.Conv2d(4, 6, 3, dilation=2)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        x = torch.tanh(self.c2(torch.relu(self.c1(x))))
+        return self.fc(torch.tanh(self.c3(x)).mean((2, 3)))
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def model_and_data(name, rows=10, seed=0):
+    """(float64 model, inputs, targets) of ``rows`` examples."""
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    if name == "seq":
+        x = torch.randint(0, 13, (rows, 6), generator=gen)
+        x[0, :3] = 4  # a repeated token
+        x[1, -1] = 0  # the padding row
+        model = Seq()
+    elif name == "image":
+        x = torch.randn(rows, 2, 9, 9, generator=gen, dtype=torch.float64)
+        model = Image()
+    else:
+        x = torch.randn(rows, 5, generator=gen, dtype=torch.float64)
+        model = mlp()
+    return model.double(), x, torch.randint(0, 3, (rows,), generator=gen)
+
+
+def oracle(model, x, y, clip, expected_size):
+    """sum_i min(1, S / ||g_i||) g_i / (q n) with the gradients g_i of one example at a time
+    (float64 autograd)."""
+    params = dict(model.named_parameters())
+    total = {n: torch.zeros_like(p) for n, p in params.items()}
+    for i in range(x.shape[0]):
+        model.zero_grad()
+        F.cross_entropy(model(x[i:i + 1]), y[i:i + 1], reduction="sum").backward()
+        norm = math.sqrt(sum(float(p.grad.square().sum()) for p in params.values()))
+        factor = min(1.0, clip / norm) if norm > 0 else 1.0
+        for n, p in params.items():
+            total[n] += factor * p.grad
+    return {n: t / expected_size for n, t in total.items()}
+
+
+def aggregator(model, *, z=0.0, clip=1.0, n=100, q=0.1, **options):
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    return dpcore.PrivateAggregator(dpcore.flat(names, clip=clip, noise_multiplier=z), n=n,
+                                    q=q, backend="torch", seed=0, **options)
+
+
+def assert_close(got, expected):
+    for name, e in expected.items():
+        scale = max(float(e.abs().max()), 1e-300)
+        assert float((got[name] - e).abs().max()) <= RTOL * scale, name
+
+
+@pytest.mark.parametrize("name", ["mlp", "seq", "image"])
+def test_compiled_steps_equal_the_clipped_oracle(name):
+    """Every step, eager (the first two) and compiled (the rest, one program per bucket),
+    releases sum_i clip(g_i) / (q n) for a clip that binds for some examples and not others,
+    with the batch padded to its bucket (10 rows to 16)."""
+    model, x, y = model_and_data(name)
+    twin = copy.deepcopy(model)
+    agg = aggregator(model, clip=0.05)
+    step = CompiledPrivateStep(model, LOSS, agg, buckets=dpcore.Buckets(10, granularity=8))
+    for t in range(4):
+        got = step(x[t:], y[t:])  # 10, 9, 8 and 7 rows: buckets of 16 and 8
+        expected = oracle(twin, x[t:], y[t:], 0.05, agg.expected_size)
+        assert_close(got, expected)
+        for n, p in model.named_parameters():
+            assert p.grad is got[n]
+    assert step.compiled_shapes() == 1  # steps 3 and 4, 8 and 7 rows, share a bucket
+    assert agg.ledger.steps() == [dpcore.Step(q=0.1, noise_multiplier=0.0, count=4)]
+
+
+def test_a_sample_of_any_size_padded_to_any_bucket_releases_the_same():
+    """Padded rows change nothing: the same 6 records in buckets of 6, 8 and 12 rows, and an
+    empty sample releases zeros (with z = 0: the noise alone otherwise)."""
+    model, x, y = model_and_data("mlp", rows=6)
+    releases = []
+    for granularity in (6, 8, 12):
+        agg = aggregator(model, clip=0.05)
+        step = CompiledPrivateStep(model, LOSS, agg,
+                                   buckets=dpcore.Buckets(6, granularity=granularity))
+        releases.append([step(x, y) for _ in range(3)][-1])
+        empty = step(x[:0], y[:0])
+        assert all(float(g.abs().max()) == 0 for g in empty.values())
+        step.detach()
+    for other in releases[1:]:
+        assert_close(other, releases[0])
+
+
+class Normalising(nn.Module):
+    """Each input row scaled to unit norm: a zero row (padding) gives NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.fc(x / x.norm(dim=1, keepdim=True))
+
+
+def test_padded_rows_whose_values_are_nan_reach_no_sum():
+    """Zero padding rows that a model turns into NaN are zeroed before the sums (0 * NaN
+    would be NaN): the release of 7 records in a bucket of 8 is the oracle's."""
+    torch.manual_seed(0)
+    model = Normalising().double()
+    twin = copy.deepcopy(model)
+    x = torch.randn(7, 5, dtype=torch.float64)
+    y = torch.randint(0, 3, (7,))
+    agg = aggregator(model, clip=0.05)
+    step = CompiledPrivateStep(model, LOSS, agg, buckets=dpcore.Buckets(7, granularity=8))
+    for _ in range(3):
+        assert_close(step(x, y), oracle(twin, x, y, 0.05, agg.expected_size))
+
+
+def test_the_noise_has_the_std_the_ledger_records():
+    """Zero gradients (the loss ignores the output): the release times q n is the noise, whose
+    empirical std per leaf must be z S. 64 x 64 + 64 values per step, three compiled steps: the
+    sample std's relative standard error is 1/sqrt(2N) <= 0.7%; a 10% error fails (4 SE
+    allowed, 2.8%)."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64).double()
+    agg = aggregator(model, z=1.5, clip=2.0, n=200)
+    step = CompiledPrivateStep(model, lambda out, y: (out * 0).sum(1), agg)
+    x = torch.randn(20, 64, dtype=torch.float64)
+    draws = {"weight": [], "bias": []}
+    for _ in range(5):
+        released = step(x, x)
+        for name in draws:
+            draws[name].append(released[name].flatten() * agg.expected_size)
+    assert step.compiled_shapes() == 1
+    for name, values in draws.items():
+        values = torch.cat(values[2:])  # the compiled steps
+        assert abs(float(values.std()) / 3.0 - 1) < 4 / math.sqrt(2 * values.numel()), name
+        assert abs(float(values.mean())) < 4 * 3.0 / math.sqrt(values.numel())
+    assert agg.ledger.steps() == [dpcore.Step(q=0.1, noise_multiplier=1.5, count=5)]
+    assert [e.noise_std for e in agg.ledger.events
+            if isinstance(e, dpcore.SumQueryEvent)] == [3.0] * 5
+
+
+def test_a_clip_schedule_moves_the_clip_without_a_new_program():
+    model, x, y = model_and_data("mlp")
+    twin = copy.deepcopy(model)
+    agg = aggregator(model, clip=0.1, clipping=dpcore.ClipSchedule(lambda t: 1 / (1 + t)))
+    step = CompiledPrivateStep(model, LOSS, agg, buckets=dpcore.Buckets(10, granularity=10))
+    for _ in range(4):
+        got = step(x, y)
+        assert_close(got, oracle(twin, x, y, agg.mechanism.groups[0].clip, agg.expected_size))
+    assert step.compiled_shapes() == 1
+    assert len({e.clip for e in agg.ledger.events if isinstance(e, dpcore.SumQueryEvent)}) == 4
+
+
+@pytest.mark.parametrize("policy", ["raise", "drop"])
+def test_a_nan_record_raises_before_any_release_or_is_dropped(policy):
+    """A record whose gradient is NaN: "raise" releases nothing (the sampling event stays,
+    no sum query is written); "drop" releases the others' clipped sum."""
+    model, x, y = model_and_data("mlp")
+    twin = copy.deepcopy(model)
+    agg = aggregator(model, clip=0.05, on_nonfinite=policy)
+    step = CompiledPrivateStep(model, LOSS, agg, buckets=dpcore.Buckets(10, granularity=10))
+    bad = x.clone()
+    bad[3, 0] = math.nan
+    for t in range(4):  # eager, eager, compiled, compiled
+        if policy == "raise":
+            with pytest.raises(NonFiniteNormError, match=r"records \[3\]"):
+                step(bad, y)
+            assert agg.ledger.samplings == t + 1
+            assert not [e for e in agg.ledger.events if isinstance(e, dpcore.SumQueryEvent)]
+        else:
+            keep = torch.arange(10) != 3
+            assert_close(step(bad, y), oracle(twin, x[keep], y[keep], 0.05, agg.expected_size))
+
+
+class Mixing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h - h.mean(0)  # a statistic of the batch
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+
+    def forward(self, x):
+        return F.linear(torch.tanh(self.fc(x)), self.fc.weight)[:, :3]  # the weight reused
+
+
+class Branching(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h if bool(h.sum() > 0) else -h  # a branch on the batch's values
+
+
+@pytest.mark.parametrize("module, error, match", [
+    (Mixing, NotPerExampleError, "mix"),
+    (Tied, LeakedGradientError, r"\['fc.weight'\]"),
+    (Branching, RuntimeError, "could not be traced"),
+])
+def test_what_cannot_be_a_private_compiled_step_is_refused_before_a_release(module, error,
+                                                                            match):
+    """Mixing examples is found by the eager steps' check, a weight used outside its layer by
+    its leaf's gradient, a branch on values at tracing (step 3); nothing is released."""
+    torch.manual_seed(0)
+    model = module().double()
+    agg = aggregator(model)
+    step = CompiledPrivateStep(model, LOSS, agg)
+    x = torch.randn(10, 5, dtype=torch.float64)
+    y = torch.randint(0, 3, (10,))
+    with pytest.raises(error, match=match):
+        for _ in range(3):
+            step(x, y)
+    released = len([e for e in agg.ledger.events if isinstance(e, dpcore.SumQueryEvent)])
+    assert released == agg.ledger.samplings - 1
+
+
+def test_bad_arguments_are_refused():
+    model, x, y = model_and_data("mlp")
+    with pytest.raises(ValueError, match="adaptive clipping's counts"):
+        CompiledPrivateStep(model, LOSS, aggregator(model, z=1.0, n=1000,
+                                                     clipping=dpcore.QuantileClipping()))
+    with pytest.raises(TypeError, match="torch backend"):
+        names = [n for n, _ in model.named_parameters()]
+        CompiledPrivateStep(model, LOSS, dpcore.PrivateAggregator(
+            dpcore.flat(names, clip=1.0, noise_multiplier=1.0), n=100, q=0.1))
+    step = CompiledPrivateStep(model, nn.CrossEntropyLoss(), aggregator(model))
+    with pytest.raises(ValueError, match=r"one loss per example, shape \(10,\)"):
+        step(x, y)
+    with pytest.raises(ValueError, match="examples on axis 0"):
+        step(x, y[:5])
+
+
+def test_a_secure_aggregator_draws_the_noise_from_the_csprng():
+    model, x, y = model_and_data("mlp")
+    names = [n for n, _ in model.named_parameters()]
+    agg = dpcore.PrivateAggregator(dpcore.flat(names, clip=1.0, noise_multiplier=1.0), n=100,
+                                   q=0.1, backend="torch", secure=True)
+    step = CompiledPrivateStep(model, LOSS, agg)
+    first, second = [step(x, y) for _ in range(3)][1:]
+    assert all(float((first[n] - second[n]).abs().min()) > 0 for n in first)
