@@ -334,3 +334,80 @@ def test_a_training_loop_over_the_poisson_loader_writes_one_step_per_batch(tmp_p
     assert dpcore.read_ledger(tmp_path / "run.jsonl").steps() == [
         dpcore.Step(q=0.2, noise_multiplier=1.0, count=12)]
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+class ScaledDropout(nn.Module):
+    """No rule: the engine's fallback replays it per example (torch.func), dropout inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 7))
+
+    def forward(self, h):
+        return F.dropout(h * self.scale, 0.5, self.training)
+
+
+def test_dropout_replayed_in_the_program_uses_the_forward_passes_masks():
+    """Random masks drawn in the traced forward pass (Inductor drawing them with ATen's
+    generator, fallback_random) are the ones the replay of the fallback unit and the
+    book-keeping use: every step equals the eager engine's on the same global seed."""
+    from dpcore_torch import PerExampleEngine, private_grads
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), ScaledDropout(), nn.Dropout(0.3),
+                             nn.Linear(7, 3)).double()
+
+    model, twin = make(), make()
+    x = torch.randn(8, 5, dtype=torch.float64)
+    y = torch.randint(0, 3, (8,))
+    agg, twin_agg = aggregator(model, clip=0.05), aggregator(twin, clip=0.05)
+    step = CompiledPrivateStep(model, LOSS, agg, buckets=dpcore.Buckets(8, granularity=8))
+    engine = PerExampleEngine(twin, loss_reduction="sum", check_independence=False)
+    with torch._inductor.config.patch(fallback_random=True):
+        for t in range(4):
+            torch.manual_seed(100 + t)
+            got = step(x, y)
+            torch.manual_seed(100 + t)
+            twin_agg.begin_step()
+            expected = private_grads(engine, twin_agg,
+                                     F.cross_entropy(twin(x), y, reduction="sum"))
+            assert_close(got, expected)
+    assert step.compiled_shapes() == 1
+
+
+class AttentionLSTM(nn.Module):
+    """Embedding, MultiheadAttention (its rule), LSTM (its rule), Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.lstm = nn.LSTM(8, 6, batch_first=True)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, k):
+        h = self.emb(k)
+        h = h + self.attn(h, h, h, need_weights=False)[0]
+        return self.fc(self.lstm(h)[0][:, -1])
+
+
+def test_attention_and_recurrent_rules_compile_to_the_eager_engines_step():
+    """The layers with rules of their own, traced: every step equals the eager engine's
+    (whose rules are tested against the per-example oracle) in float64."""
+    from dpcore_torch import PerExampleEngine, private_grads
+
+    torch.manual_seed(0)
+    model = AttentionLSTM().double()
+    twin = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randint(0, 11, (6, 4), generator=gen)
+    y = torch.randint(0, 3, (6,), generator=gen)
+    agg, twin_agg = aggregator(model, clip=0.05), aggregator(twin, clip=0.05)
+    step = CompiledPrivateStep(model, LOSS, agg, buckets=dpcore.Buckets(6, granularity=8))
+    engine = PerExampleEngine(twin, loss_reduction="sum", check_independence=False)
+    for _ in range(3):
+        twin_agg.begin_step()
+        expected = private_grads(engine, twin_agg, F.cross_entropy(twin(x), y, reduction="sum"))
+        assert_close(step(x, y), expected)
+    assert step.compiled_shapes() == 1
