@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import LinearRule, Rule, Use, _Linear, birth, cast_to, keep_rows, parameter
+from .layers import (LinearRule, Rule, Use, _Linear, birth, cast_to, first_reached, keep_rows,
+                     parameter)
 
 _LINEAR = LinearRule()
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
@@ -77,8 +78,14 @@ class AttentionCall:
 
     @property
     def reached_at(self) -> int | None:
-        times = [m.use.reached_at for m in self.maps if m.use.reached_at is not None]
-        return min(times) if times else None
+        first = first_reached(m.use for m in self.maps)
+        return None if first is None else first.reached_at
+
+    @property
+    def backward(self) -> int | None:
+        """The backward pass that reached one of the maps first."""
+        first = first_reached(m.use for m in self.maps)
+        return None if first is None else first.backward
 
     @property
     def reached(self) -> bool:

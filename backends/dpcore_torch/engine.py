@@ -18,6 +18,7 @@ example's own loss. ``"sum"`` takes them as they are.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Mapping, Sequence
 
@@ -227,6 +228,7 @@ class PerExampleEngine:
         self._model_calls: list[tuple] = []  # the model's calls: (first, last tick, shapes)
         self._model_call = None  # the (first tick, shapes) of a call of the model running
         self.batches = 0  # training forward passes of the model so far
+        self._passes: list[int] = []  # when each forward pass of the model this step began
         self.batch_norm = batch_norm
         if batch_norm is not None:  # first: a BatchNorm's rule wraps its private forward
             batch_norm.instrument()
@@ -309,9 +311,11 @@ class PerExampleEngine:
 
     def _count_batch(self, module, args) -> None:
         """Root forward pre-hook: count the training passes of the user's batches (not the
-        check's reruns, nor replays, nor passes without gradients)."""
-        if module.training and recording() and not rerunning():
-            self.batches += 1
+        check's reruns, nor replays, nor passes without gradients), and note when each pass
+        with gradients began (:meth:`_check_one_forward`)."""
+        if recording() and not rerunning():
+            self.batches += module.training
+            self._passes.append(tick())
 
     def _model_called(self, module, args, kwargs) -> None:
         """Root forward pre-hook: what the model's input says of its examples
@@ -396,6 +400,9 @@ class PerExampleEngine:
         self._waiting = waiting
         kept = [call.born for unit in self.units for call in unit.calls if call.born is not None]
         self._model_calls = [c for c in self._model_calls if kept and c[1] > min(kept)]
+        # the start of the pass of the earliest kept call, and later ones
+        self._passes = self._passes[max(0, bisect.bisect_right(
+            self._passes, min(kept)) - 1):] if kept else []
         self._leaked.clear()
         self._summed.clear()
         if self._probe is not None:
@@ -424,6 +431,8 @@ class PerExampleEngine:
         for unit, call in reached:
             if call.born is not None and call.born > first:  # made after a backward pass
                 raise _accumulation_error(unit)
+        self._check_one_forward(reached)
+        for unit, call in reached:
             sizes.add(call.batch_size)
             for key, leaf in unit.names.items():
                 contributions[leaf].append((unit, call, key))
@@ -438,6 +447,28 @@ class PerExampleEngine:
                              f"model that folds several rows per example into the batch, "
                              f"x.flatten(0, 1), needs mode='vmap')")
         return contributions, (sizes.pop() if sizes else 0)
+
+    def _check_one_forward(self, reached) -> None:
+        """Refuse a step whose calls were made in several forward passes of the model and
+        reached by several backward passes: ``la = loss(model(a)); lb = loss(model(b));
+        la.backward(); lb.backward()`` would pair row i of ``a`` with row i of ``b`` and clip
+        the two records as one. (Several forward passes back-propagated together stay the
+        caller's statement that their rows are the same examples, e.g. two views of each;
+        several backward passes through one forward, one per loss term, add up.)"""
+        made = [(call, unit) for unit, call in reached if call.born is not None]
+        if len({call.backward for call, _ in made}) < 2:
+            return
+        passes = {bisect.bisect_right(self._passes, call.born) for call, _ in made}
+        if len(passes) > 1:
+            raise AccumulationError(
+                f"{type(made[0][1].module).__name__} and the other layers were called in "
+                f"{len(passes)} forward passes of the model and back-propagated by separate "
+                f"backward passes in one step (la = loss(model(a)); lb = loss(model(b)); "
+                f"la.backward(); lb.backward()): dpcore would clip row i of every batch as "
+                f"one example. For a Poisson sample split into micro-batches, run each "
+                f"micro-batch's forward and backward pass and call optimizer.accumulate() "
+                f"(in a custom loop: dpcore_torch.step.clip_into) after each; for two views "
+                f"of the same examples, back-propagate the summed loss once")
 
     def _scale(self, batch: int) -> float:
         return float(batch) if self.loss_reduction == "mean" and batch > 0 else 1.0

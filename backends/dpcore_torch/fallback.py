@@ -36,7 +36,7 @@ from .call_buffers import CallBuffers
 from .draws import Recording, Replayer, ReplayMismatchError, alias, share, unobserved
 from .independence import NotPerExampleError, probing
 from .instrumentation import instrumentation
-from .layers import birth, cast_to, keep_rows, late_backward, parameter, tick, tracing
+from .layers import birth, cast_to, keep_rows, late_backward, parameter, reach, tracing
 from .rows import Rows
 from .taps import Kept, Taps
 
@@ -75,7 +75,7 @@ class Call:
     pass reaches them)."""
 
     __slots__ = ("args", "kwargs", "draws", "lost", "start", "unkept", "end", "taps",
-                 "outputs", "g", "cache", "born", "reached_at")
+                 "outputs", "g", "cache", "born", "reached_at", "backward")
 
     def __init__(self, args, kwargs, draws, buffers, taps, n_outputs):
         (self.draws, self.lost), self.args, self.kwargs, self.taps = draws, args, kwargs, taps
@@ -83,7 +83,7 @@ class Call:
         self.outputs = [None] * n_outputs  # copies of the outputs, checked by the replay
         self.g = [None] * n_outputs
         self.cache = None
-        self.born, self.reached_at = birth(), None
+        self.born, self.reached_at, self.backward = birth(), None, None
 
     def release(self) -> None:
         """Drop the tensors (output hooks may still hold this object)."""
@@ -346,8 +346,7 @@ class FallbackUnit:
             if not call.g:  # released
                 raise late_backward()
             call.g[k] = g if call.g[k] is None else call.g[k] + g
-            if call.reached_at is None:
-                call.reached_at = tick()
+            reach(call)
         return keep
 
     @staticmethod

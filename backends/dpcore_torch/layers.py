@@ -102,6 +102,21 @@ def birth() -> int | None:
     return tick() if torch._C._current_graph_task_id() == -1 else None
 
 
+def reach(call) -> None:
+    """Mark ``call`` (a layer call's record) as reached by the backward pass running, if no
+    pass reached it before: when (``reached_at``, a :func:`tick`) and by which pass
+    (``backward``, autograd's id of the graph task)."""
+    if call.reached_at is None:
+        call.reached_at, call.backward = tick(), torch._C._current_graph_task_id()
+
+
+def first_reached(records):
+    """Of a call's records (its maps' Uses), the one a backward pass reached first, or
+    None."""
+    return min((r for r in records if r.reached_at is not None), key=lambda r: r.reached_at,
+               default=None)
+
+
 def late_backward() -> AccumulationError:
     """For a backward pass through a call whose step was already taken or cleared."""
     return AccumulationError(
@@ -113,13 +128,14 @@ def late_backward() -> AccumulationError:
 class Use:
     """One call of an instrumented layer in the current step: its input ``x``, the backprop
     ``g`` of its output (set by the backward pass, :meth:`arrive`), statistics ``aux``, a
-    cache of materialised per-example gradients, and when it was made and reached."""
+    cache of materialised per-example gradients, when it was made and when and by which
+    backward pass it was first reached."""
 
-    __slots__ = ("x", "g", "aux", "cache", "born", "reached_at")
+    __slots__ = ("x", "g", "aux", "cache", "born", "reached_at", "backward")
 
     def __init__(self, x, aux=None):
         self.x, self.g, self.aux, self.cache = x, None, aux, {}
-        self.born, self.reached_at = birth(), None
+        self.born, self.reached_at, self.backward = birth(), None, None
 
     def arrive(self, g) -> None:
         """Add the backprop ``g`` of this call's output, from a backward pass (several
@@ -130,8 +146,7 @@ class Use:
         if self.x is None:
             raise late_backward()
         self.g = g if self.g is None else self.g + g
-        if self.reached_at is None:
-            self.reached_at = tick()
+        reach(self)
 
     def release(self) -> None:
         """Drop the tensors (the autograd graph or the user may still hold this object)."""

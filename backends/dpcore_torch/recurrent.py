@@ -42,7 +42,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from .independence import probing
-from .layers import LinearRule, Rule, Use, _Linear, birth, cast_to, tick
+from .layers import LinearRule, Rule, Use, _Linear, birth, cast_to, first_reached, reach
 
 _LINEAR = LinearRule()
 
@@ -51,10 +51,10 @@ class _Steps:
     """A Linear map applied one step at a time: the inputs of each step and, once the backward
     pass has reached them, the backprops of its outputs (the LSTM's projection)."""
 
-    __slots__ = ("xs", "gs", "reached_at")
+    __slots__ = ("xs", "gs", "reached_at", "backward")
 
     def __init__(self):
-        self.xs, self.gs, self.reached_at = [], [], None
+        self.xs, self.gs, self.reached_at, self.backward = [], [], None, None
 
     def apply(self, u, weight, bias):
         self.xs.append(cast_to(u.detach(), weight.dtype))
@@ -65,7 +65,7 @@ class _Steps:
         """One :class:`Use` with x (B, T, d_in) and g (B, T, d_out); steps the backward pass
         did not reach contribute zero backprop; g is None if it reached none."""
         use = Use(torch.stack(self.xs, 1))
-        use.reached_at = self.reached_at
+        use.reached_at, use.backward = self.reached_at, self.backward
         reached = [g for g in self.gs if g is not None]
         if reached:
             zero = torch.zeros_like(reached[0])
@@ -99,6 +99,10 @@ class _Recurrence:
     def reached_at(self) -> int | None:
         return self.source.reached_at
 
+    @property
+    def backward(self) -> int | None:
+        return self.source.backward
+
     def stacked(self) -> Use:
         """One :class:`Use`: x (B, T, h) (a cell: (B, h)) and g from the input map's."""
         cell = self.source.x.dim() == 2
@@ -128,8 +132,7 @@ class _StepLinear(torch.autograd.Function):
         steps, g_w = ctx.steps, cast_to(g, weight.dtype)
         if not probing():
             steps.gs[ctx.k] = g_w if steps.gs[ctx.k] is None else steps.gs[ctx.k] + g_w
-            if steps.reached_at is None:
-                steps.reached_at = tick()
+            reach(steps)
         gu = g.matmul(cast_to(weight, g.dtype)) if ctx.needs_input_grad[2] else None
         return None, None, gu, None, None
 
@@ -167,8 +170,14 @@ class RecurrentCall:
     @property
     def reached_at(self) -> int | None:
         """When the backward pass first reached one of the maps (None: never)."""
-        times = [use.reached_at for use in self.maps.values() if use.reached_at is not None]
-        return min(times) if times else None
+        first = first_reached(self.maps.values())
+        return None if first is None else first.reached_at
+
+    @property
+    def backward(self) -> int | None:
+        """The backward pass that reached one of the maps first."""
+        first = first_reached(self.maps.values())
+        return None if first is None else first.backward
 
     @property
     def reached(self) -> bool:

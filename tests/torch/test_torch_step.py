@@ -567,6 +567,29 @@ def test_two_backward_passes_through_different_layers_are_refused_too():
     assert [type(e).__name__ for e in opt.ledger.events] == ["SamplingEvent"]
 
 
+@pytest.mark.parametrize("towers", [False, True])
+def test_two_forward_passes_then_two_backward_passes_are_refused(towers):
+    """Both batches' forward passes first, then a backward pass each: no call was made after a
+    backward pass, yet row i of A and of B would be clipped as one record (the audit's
+    release equalled the pair-clipped sum). Refused before anything is released."""
+    from dpcore_torch import AccumulationError
+
+    ds = data()
+    model = two_towers() if towers else mlp()
+    model, opt, _ = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 DataLoader(ds, batch_size=8), noise_multiplier=1.0,
+                                 max_grad_norm=1.0, seed=0)
+    x, y = ds.tensors
+    args = ("a", "b") if towers else ((), ())
+    out_a = model(x[:8], *args[0])
+    out_b = model(x[8:16], *args[1])
+    F.cross_entropy(out_a, y[:8]).backward()
+    F.cross_entropy(out_b, y[8:16]).backward()
+    with pytest.raises(AccumulationError, match="2 forward passes"):
+        opt.step()
+    assert [type(e).__name__ for e in opt.ledger.events] == ["SamplingEvent"]
+
+
 def oracle_steps(loop, steps=3):
     """Parameters after ``steps`` steps of ``loop(model, opt, x, y)`` on the private MLP (zero
     noise, a binding clip), and after the same steps in the usual order."""
