@@ -145,8 +145,8 @@ class CompiledPrivateStep:
 
     ``loss_fn(model(*inputs), target)`` must return one loss per example, shape (B,)
     (``nn.CrossEntropyLoss(reduction="none")``); ``inputs`` is a tensor or a tuple of the
-    model's positional arguments, ``target`` anything ``loss_fn`` takes (tensors in it with
-    the examples on axis 0). ``aggregator`` is a :class:`dpcore.PrivateAggregator` on the torch
+    model's positional tensors, ``target`` a tensor or a tuple of tensors, all with the
+    examples on axis 0. ``aggregator`` is a :class:`dpcore.PrivateAggregator` on the torch
     backend whose mechanism names the model's trainable parameters; its ``sampler`` draws the
     samples (``poisson_loader(dataset, q, sampler=aggregator.sampler)``). Each call is one step:
     it writes the sampling event, draws the noise, runs the program of the batch's bucket
@@ -179,7 +179,7 @@ class CompiledPrivateStep:
         except BaseException:
             self.engine.detach()
             raise
-        self.model, self.loss_fn, self.aggregator = model, loss_fn, aggregator
+        self.model, self.aggregator = model, aggregator
         self.buckets = buckets or Buckets(aggregator.expected_size, aggregator.q)
         self._structure = structure(aggregator.mechanism)
         self._step = _Step(model, self.engine, loss_fn, aggregator.mechanism,
@@ -211,7 +211,7 @@ class CompiledPrivateStep:
         if positions is None:
             positions = self._positions[size] = torch.arange(size, device=like.device)
         agg = self.aggregator
-        self.engine.clear()  # calls a forward with gradients made since the last step
+        self.engine.clear()  # calls of forward passes with gradients since the last step
         agg.begin_step()
         clips, stds = self._clips_and_stds()
         agg.rng, normals = agg.standard_normal(agg.rng, (self._values,), like)
@@ -290,11 +290,9 @@ class CompiledPrivateStep:
             try:
                 with traced():
                     graph = make_fx(lambda *a: self._run(layout, *a), tracing_mode="fake")(*flat)
-            except (RuntimeError, ValueError) as error:
+            except Exception as error:
                 if type(error).__module__.startswith("dpcore") or type(error) is ValueError:
                     raise  # dpcore's own refusals (a leaked gradient, mixed rows, ...)
-                raise _untraceable(size=batch[0].shape[0], error=error) from error
-            except Exception as error:
                 raise _untraceable(size=batch[0].shape[0], error=error) from error
             program = self._programs[key] = torch._inductor.compile(graph, flat)
         return program
