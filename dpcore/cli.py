@@ -301,8 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run the dpcore conformance suite (pytest) against a "
                                    "registered backend; extra arguments go to pytest.")
     p.add_argument("backend", metavar="NAME", help="registered backend name")
-    p.add_argument("pytest_args", nargs=argparse.REMAINDER, metavar="PYTEST ARGS",
-                   help="passed to pytest, e.g. -q or -k noise")
+    remainder = p.add_argument("pytest_args", nargs=argparse.REMAINDER, metavar="PYTEST ARGS",
+                               help="passed to pytest, e.g. -q or -k noise")
+    remainder.required = False  # argparse makes a REMAINDER positional required: it is not
     p.set_defaults(run=_cmd_conformance)
     return parser
 

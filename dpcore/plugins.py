@@ -136,7 +136,7 @@ def get_backend(name: str):
     if entry.missing:
         raise BackendUnavailableError(
             f"backend {name!r} needs {', '.join(entry.missing)}, which is not installed; "
-            f"install it (e.g. pip install 'dpcore[{name}]')")
+            f"{_install_hint(name, entry)}")
     if entry.instance is None:
         try:
             entry.instance = entry.factory()
@@ -144,6 +144,59 @@ def get_backend(name: str):
             raise BackendUnavailableError(
                 f"backend {name!r} failed to start: {type(exc).__name__}: {exc}") from exc
     return entry.instance
+
+
+def _distribution_of(module: str) -> str | None:
+    """The installed distribution that ships the top-level package of ``module`` (the one
+    whose plugin registered a backend), or None (a plugin registered in code)."""
+    top = module.partition(".")[0]
+    try:
+        found = importlib.metadata.packages_distributions().get(top, [])
+    except Exception:  # a broken installation's metadata: no hint rather than an error
+        return None
+    return found[0] if found else None
+
+
+def _install_hint(name: str, entry: _Entry) -> str:
+    """What to install for a backend whose modules ``entry.missing`` are not installed: the
+    extra of dpcore for its own backends; for another distribution's, that distribution's
+    requirement naming the module, or the module and the distribution that needs it (the
+    package to install for a module need not bear its name)."""
+    modules = ", ".join(entry.missing)
+    dist = _distribution_of(entry.source)
+    if dist is None:
+        return f"install the package that provides {modules}"
+    try:
+        metadata = importlib.metadata.metadata(dist)
+        requires = importlib.metadata.requires(dist) or []
+    except importlib.metadata.PackageNotFoundError:
+        return f"install the package that provides {modules}"
+    if _normalise(dist) == "dpcore":
+        if name in (metadata.get_all("Provides-Extra") or ()):
+            return f"install it with pip install 'dpcore[{name}]'"
+        return f"install the package that provides {modules}"
+    wanted = {_normalise(m) for m in entry.missing}
+    found = [r.partition(";")[0].strip() for r in requires
+             if _normalise(_requirement_name(r)) in wanted]
+    if found:
+        return (f"backend {name!r} comes from {dist}, which requires "
+                f"{', '.join(found)}: pip install {' '.join(repr(r) for r in found)}")
+    return (f"backend {name!r} comes from {dist}: install the package that provides "
+            f"{modules} (see {dist}'s documentation)")
+
+
+def _requirement_name(requirement: str) -> str:
+    """The project name a requirement string (PEP 508) starts with."""
+    for k, char in enumerate(requirement):
+        if not (char.isalnum() or char in "-_."):
+            return requirement[:k]
+    return requirement
+
+
+def _normalise(project: str) -> str:
+    """A project or module name compared as PEP 503 compares project names."""
+    return "-".join(part for part in
+                    project.lower().replace("_", "-").replace(".", "-").split("-") if part)
 
 
 def lazy_exports(package: str, homes: Mapping[str, str]):

@@ -28,6 +28,17 @@ def pytest_configure(config):
                             "declares capability `name`")
 
 
+def pytest_sessionstart(session):
+    """A missing ``--dpcore-backend``, or a backend that cannot be had, is one usage error
+    before anything is collected (raised in the ``backend`` fixture, it was an error of every
+    check). Here rather than in ``pytest_configure``, which ``--help`` runs too."""
+    for name in _backend_names(session.config):
+        try:
+            dpcore.get_backend(name)
+        except LookupError as exc:
+            raise pytest.UsageError(f"--dpcore-backend {name}: {exc}") from None
+
+
 def _backend_names(config) -> list[str]:
     names = config.getoption("dpcore_backend")
     if not names:
@@ -60,10 +71,7 @@ def pytest_generate_tests(metafunc):
 @pytest.fixture(scope="session")
 def backend(request):
     name = getattr(request, "param", None) or _backend_names(request.config)[0]
-    try:
-        return dpcore.get_backend(name)
-    except LookupError as exc:
-        raise pytest.UsageError(str(exc)) from None
+    return dpcore.get_backend(name)  # pytest_sessionstart got it once already
 
 
 def pytest_runtest_setup(item):
