@@ -3,6 +3,7 @@ testing that the conformance suite catches them. Loaded with ``-p broken_backend
 every one of them under its name in ``BROKEN``."""
 
 import copy
+import dataclasses
 import inspect
 import types
 import weakref
@@ -23,9 +24,17 @@ class NoiseTooSmall(TinyTorchBackend):
         return rng, 0.9 * noise
 
 
+def _real_rows(grads, mask):
+    """Per-example gradients with the rows ``mask`` marks as padding zeroed (NaN ones too)."""
+    if mask is None:
+        return grads
+    return {leaf: torch.where(mask.reshape(-1, *[1] * (g.ndim - 1)), g, 0)
+            for leaf, g in grads.items()}
+
+
 class ClippingSkipped(TinyTorchBackend):
     def private_gradient(self, loss_fn, params, batch, aggregator, *, mask=None):
-        grads = self.per_example_grads(loss_fn, params, batch)
+        grads = _real_rows(self.per_example_grads(loss_fn, params, batch), mask)
         return aggregator.release_sums({leaf: g.sum(dim=0) for leaf, g in grads.items()})
 
 
@@ -39,8 +48,10 @@ class LedgerDisagrees(TinyTorchBackend):
     def private_gradient(self, loss_fn, params, batch, aggregator, *, mask=None):
         grads = self.per_example_grads(loss_fn, params, batch)
         leaves = aggregator.mechanism.leaves
-        factors = aggregator.clip_factors(aggregation.per_leaf_sq_norms(grads, leaves))
-        sums = aggregation.clipped_sum(grads, factors, aggregator.mechanism, leaves)
+        factors = aggregator.clip_factors(aggregation.per_leaf_sq_norms(grads, leaves),
+                                          mask=mask)
+        sums = aggregation.clipped_sum(grads, factors, aggregator.mechanism, leaves,
+                                       zero_rows=None if mask is None else ~mask)
         aggregator.ledger.record_sum_queries([SumQueryEvent(g.name, g.clip, 1.25 * g.noise_std)
                                               for g in aggregator.mechanism.groups])
         aggregator.rng, released = aggregation.noisy_average(
@@ -74,19 +85,34 @@ class UndeclaredCapabilities(ClippingSkipped):
 
 class FusedStep(TinyTorchBackend):
     """A fused step: the core's clipped sums, then noise drawn here leaf by leaf (correct;
-    the base of broken variants of its ``noise``)."""
+    the base of broken variants of its ``noise``). It releases the gradient only, so it
+    refuses adaptive clipping (whose counts are released beside it) before recording
+    anything, as the PyTorch compiled step does."""
     def private_gradient(self, loss_fn, params, batch, aggregator, *, mask=None):
+        if aggregator.count_groups:
+            raise ValueError("this fused step releases the gradient only, not adaptive "
+                             "clipping's counts")
         grads = self.per_example_grads(loss_fn, params, batch)
-        mech = aggregator.mechanism
-        factors = aggregator.clip_factors(aggregation.per_leaf_sq_norms(grads, mech.leaves),
-                                          mask=mask)
+        mech = self.clipping(aggregator)
+        norms = aggregation.group_norms(aggregation.per_leaf_sq_norms(grads, mech.leaves),
+                                        mech, mech.leaves)
+        factors = aggregation.clip_factors(norms, aggregation.clips_of(mech), mask=mask,
+                                           on_nonfinite=aggregator.on_nonfinite)
         sums = aggregation.clipped_sum(grads, factors, mech, mech.leaves,
                                        zero_rows=None if mask is None else ~mask)
         aggregator.record_release()
         noise = self.noise(aggregator, sums, batch[0].shape[0])
-        stds = aggregation.leaf_noise_stds(mech)
+        stds = aggregation.leaf_noise_stds(self.noising(aggregator))
         return {leaf: (sums[leaf] + stds[leaf] * noise[leaf]) / aggregator.expected_size
                 for leaf in mech.leaves}
+
+    def clipping(self, aggregator):
+        """The mechanism whose clips the step applies."""
+        return aggregator.mechanism
+
+    def noising(self, aggregator):
+        """The mechanism whose noise the step adds."""
+        return aggregator.mechanism
 
     def noise(self, aggregator, sums, records):
         """N(0, 1) draws shaped like each leaf's sum."""
@@ -303,6 +329,116 @@ class ChunkMeanGradients(TinyTorchBackend):
                 for k, g in grads.items()}
 
 
+def _pooled(pool: list, draw):
+    """The next of a pool of 64 draws: ``draw()`` while the pool fills, then its draws in
+    turn, as copies."""
+    pool.append(draw() if len(pool) < 64 else pool.pop(0))
+    return pool[-1].clone()
+
+
+class NoisePool(TinyTorchBackend):
+    """A pool of 64 draws per generator and shape, filled by the first 64 draws, then handed
+    out in turn."""
+    def __init__(self):
+        self._pools = weakref.WeakKeyDictionary()
+
+    def standard_normal(self, rng, shape, like):
+        pool = self._pools.setdefault(rng, {}).setdefault((tuple(shape), like.dtype), [])
+        return rng, _pooled(pool, lambda: super(NoisePool, self).standard_normal(
+            rng, shape, like)[1])
+
+
+class FusedNoisePool(FusedStep):
+    """A fused step whose noise for each leaf comes from a pool of 64 of its draws for the
+    leaf, handed out in turn (the generator itself is correct)."""
+    def __init__(self):
+        self._pools = weakref.WeakKeyDictionary()
+
+    def noise(self, aggregator, sums, records):
+        pools = self._pools.setdefault(aggregator, {})
+        return {leaf: _pooled(pools.setdefault(leaf, []), lambda z=z: z)
+                for leaf, z in super().noise(aggregator, sums, records).items()}
+
+
+class MaskedNoiseHalf(FusedStep):
+    """Padded (masked) steps get half the noise."""
+    _masked = False
+
+    def private_gradient(self, loss_fn, params, batch, aggregator, *, mask=None):
+        self._masked = mask is not None
+        return super().private_gradient(loss_fn, params, batch, aggregator, mask=mask)
+
+    def noising(self, aggregator):
+        mech = aggregator.mechanism
+        if not self._masked:
+            return mech
+        return type(mech)(tuple(dataclasses.replace(g, noise_std=g.noise_std / 2)
+                                for g in mech.groups), mech.record, mech.microbatch_size)
+
+
+class MaskShifted(TinyTorchBackend):
+    """The mask applied one row late (an off-by-one)."""
+    def private_gradient(self, loss_fn, params, batch, aggregator, *, mask=None):
+        return super().private_gradient(loss_fn, params, batch, aggregator,
+                                        mask=None if mask is None else torch.roll(mask, 1))
+
+
+class StaleClips(FusedStep):
+    """Clips at the mechanism of an aggregator's first step (a program built for it, kept);
+    the ledger and the noise follow the aggregator."""
+    def __init__(self):
+        self._first = weakref.WeakKeyDictionary()
+
+    def clipping(self, aggregator):
+        return self._first.setdefault(aggregator, aggregator.mechanism)
+
+
+class StaleNoise(FusedStep):
+    """Noise at the mechanism of an aggregator's first step; the clips and the ledger follow
+    the aggregator."""
+    def __init__(self):
+        self._first = weakref.WeakKeyDictionary()
+
+    def noising(self, aggregator):
+        return self._first.setdefault(aggregator, aggregator.mechanism)
+
+
+class AdaptiveCountsPadding(TinyTorchBackend):
+    """Adaptive clipping's counts taken without the mask: padded rows count as clipped
+    records."""
+    def private_gradient(self, loss_fn, params, batch, aggregator, *, mask=None):
+        grads = self.per_example_grads(loss_fn, params, batch)
+        mech = aggregator.mechanism
+        factors = aggregator.clip_factors(aggregation.per_leaf_sq_norms(grads, mech.leaves),
+                                          mask=mask)
+        sums = aggregation.clipped_sum(grads, factors, mech, mech.leaves,
+                                       zero_rows=None if mask is None else ~mask)
+        return aggregator.release_sums(sums, factors=factors)
+
+
+class ChunkShiftGradients(TinyTorchBackend):
+    """Per-example gradients in chunks of 512 rows, every chunk after the first starting
+    one row early: rows 512 on get the gradient of the row before."""
+    def per_example_grads(self, loss_fn, params, batch):
+        size = batch[0].shape[0]
+        if size <= 512:
+            return super().per_example_grads(loss_fn, params, batch)
+        parts = []
+        for start in range(0, size, 512):
+            rows = slice(start - 1 if start else 0, (start - 1 if start else 0)
+                         + min(512, size - start))
+            parts.append(super().per_example_grads(loss_fn, params,
+                                                   tuple(b[rows] for b in batch)))
+        return {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
+
+
+class IntegerBatchSampler(PoissonSampler):
+    """Poisson sampling at rate round(q n) / n: a whole expected batch (exact whenever q n is
+    a whole number)."""
+    def sample(self):
+        return poisson_sample(self.n, round(self.q * self.n) / self.n, self._rng)
+
+
 def _as_traced(kept, loss_fn):
     """The loss an equal one first was, as a tracing backend keeps the program it traced by
     the loss's equality: a bound method with its object's attributes as they were then."""
@@ -369,6 +505,15 @@ BROKEN = {
     "chunk_mean_gradients": ChunkMeanGradients,
     "loss_kept_by_equality": LossKeptByEquality,
     "step_keeps_its_loss": StepKeepsItsLoss,
+    "noise_pool": NoisePool,
+    "fused_noise_pool": FusedNoisePool,
+    "masked_noise_half": MaskedNoiseHalf,
+    "mask_shifted": MaskShifted,
+    "stale_clips": StaleClips,
+    "stale_noise": StaleNoise,
+    "adaptive_counts_padding": AdaptiveCountsPadding,
+    "chunk_shift_gradients": ChunkShiftGradients,
+    "integer_batch_sampler": _sampling(IntegerBatchSampler),
 }
 
 

@@ -44,3 +44,49 @@ def record_secure_draws(aggregator) -> list:
 
     aggregator.rng.standard_normal = recorded
     return draws
+
+
+def matched_fraction(z, drawn, tolerance: float) -> float:
+    """The fraction of the values ``z`` that lie within ``tolerance`` of one of ``drawn``."""
+    return _matched(np.ravel(z), np.sort(np.ravel(drawn)), tolerance)
+
+
+def _matched(z, ordered, tolerance: float) -> float:
+    if ordered.size == 0:  # nothing was drawn: nothing matches
+        return 0.0
+    return float(np.mean(np.abs(z - _nearest(z, ordered)) < tolerance))
+
+
+def _nearest(values, ordered):
+    """The value of the sorted array ``ordered`` nearest to each of ``values``."""
+    if ordered.size == 1:
+        return np.full_like(values, ordered[0])
+    at = np.clip(np.searchsorted(ordered, values), 1, ordered.size - 1)
+    left, right = ordered[at - 1], ordered[at]
+    return np.where(values - left < right - values, left, right)
+
+
+def scale_of_draws(z, drawn, share: float = 0.99, tolerance: float = 1e-5,
+                   candidates: int = 64):
+    """The factor c for which at least ``share`` of the values z / c lie within ``tolerance``
+    of one of the values ``drawn``, or None when there is none: noise that is the draws
+    mis-scaled has such a c (1 when it is the draws), noise from another generator, or the
+    draws transformed otherwise, has none.
+
+    c is sought as z's largest value in magnitude over each of the ``candidates`` largest
+    draws (its own draw is among them when z is c times most of the draws), each tried on
+    500 of the values, then refined as the median ratio of the matched pairs."""
+    z, drawn = np.ravel(z), np.ravel(drawn)
+    top = z[np.argmax(np.abs(z))] if z.size else 0.0
+    if top == 0 or drawn.size == 0:
+        return None
+    ordered = np.sort(drawn)
+    probe = z[np.linspace(0, z.size - 1, min(z.size, 500)).astype(int)]
+    tried = [top / d for d in drawn[np.argsort(-np.abs(drawn))[:candidates]] if d != 0]
+    shares = [_matched(probe / c, ordered, tolerance) for c in tried]
+    if not shares or max(shares) < share:
+        return None
+    partner = _nearest(z / tried[int(np.argmax(shares))], ordered)
+    pairs = np.abs(partner) > 0.5
+    c = float(np.median(z[pairs] / partner[pairs]))
+    return c if _matched(z / c, ordered, tolerance) >= share else None

@@ -30,6 +30,16 @@ def test_per_example_gradients(backend, convert, make, batch):
                                    err_msg=f"per-example gradient of {leaf!r}")
 
 
+LARGE_BATCH = 2100
+
+
+def test_per_example_gradients_of_a_large_batch(backend, convert):
+    """Linear regression (6 values per record) on LARGE_BATCH rows: past chunks of 512, 1024
+    and 2048 rows a backend may cut a batch into (a chunk starting a row early gives rows
+    past its start the gradient of the row before)."""
+    test_per_example_gradients(backend, convert, linear_regression, LARGE_BATCH)
+
+
 @pytest.mark.parametrize("make", PROBLEMS, ids=lambda f: f.__name__)
 def test_per_example_squared_norms(backend, convert, make):
     problem = make(batch=7)

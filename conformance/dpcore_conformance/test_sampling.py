@@ -69,15 +69,17 @@ def test_records_are_sampled_independently_of_each_other(backend):
         f"{6 * sd:.0f}: records are not sampled independently")
 
 
-@pytest.mark.parametrize("q, count", [(0.3, 500), (0.37, 500), (0.016, 2000)])
+@pytest.mark.parametrize("q, count", [(0.3, 500), (0.37, 500), (0.016, 2000), (0.0125, 8000)])
 def test_the_sampling_rate_is_q(backend, q, count):
     """Mean batch size of ``count`` samples of 1000 records, within 6 standard errors
-    sqrt(1000 q (1 - q) / count) (0.13% of q n at q = 0.3, 3.3% at q = 0.016) of q n: a rate
-    rounded to 1/round(1/q) is 10% off, 0.016 rounded to 0.02 25%."""
+    sqrt(1000 q (1 - q) / count) (0.13% of q n at q = 0.3, 3.3% at q = 0.016, 1.9% at
+    q = 0.0125) of q n: a rate rounded to 1/round(1/q) is 10% off, 0.016 rounded to 0.02 25%,
+    and q n = 12.5, the only expected size that is not a whole number, rounded to 12 or 13
+    (a rate taken as round(q n) / n) 4%, 12.7 standard errors."""
     sizes = np.array([s.size for s in draws(backend, 5, n=1000, q=q, count=count)])
     se = np.sqrt(1000 * q * (1 - q) / count)
     assert abs(sizes.mean() - 1000 * q) < 6 * se, (
-        f"mean batch size {sizes.mean():.2f} at q = {q}, n = 1000, expected {1000 * q:.0f} "
+        f"mean batch size {sizes.mean():.2f} at q = {q}, n = 1000, expected {1000 * q:g} "
         f"+- {6 * se:.2f}")
 
 

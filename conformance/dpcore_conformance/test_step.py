@@ -1,5 +1,6 @@
 """A full DP step, ``backend.private_gradient``: clipping, masks, noise against the ledger,
-exact noise-free output, fresh noise, seeds, and the ledger's events.
+exact noise-free output, fresh noise, seeds, the ledger's events, and clips that move from step
+to step (a clip schedule, adaptive clipping).
 
 The problem is a tanh MLP with leaves W1, b1 (group "hidden", separate clipping) and w2, b2
 (group "output", joint clipping with scales (1, 0.5)), so both mechanisms and several leaves
@@ -13,15 +14,18 @@ import pytest
 from scipy import stats
 
 from dpcore import Group, Mechanism, PrivateAggregator
+from dpcore.adaptive import QuantileClipping, update_clip
 from dpcore.ledger import SamplingEvent, SumQueryEvent
+from dpcore.schedules import ClipSchedule
 
-from .checks import ks_normal, record_secure_draws, repeated_run
+from .checks import ks_normal, matched_fraction, record_secure_draws, repeated_run, scale_of_draws
 from .plugin import converter
-from .problems import ScaledModel, scalar_leaves, tanh_mlp
+from .problems import Problem, ScaledModel, linear_regression, scalar_leaves, tanh_mlp
 
 pytestmark = pytest.mark.requires_capability("per_example_grads")
 
 N_RECORDS, RATE = 400, 0.05  # expected batch q n = 20
+LARGE_BATCH = 2100
 
 
 def mechanism(noise=(1.5, 2.0), clips=(1.0, 0.5)):
@@ -96,23 +100,55 @@ def test_one_record_contributes_at_most_the_clip_bound(backend, convert):
                 f"(clip {group.clip})")
 
 
+def padded(problem: Problem, others: int, nans: int, seed: int = 0):
+    """``problem``'s batch followed by ``others`` padding rows of other random values (three
+    times the scale of the real ones: distinct from every real row, and clipped) and ``nans``
+    rows of NaN; and the mask (B,) of the real rows, as NumPy booleans."""
+    rng = np.random.default_rng(seed)
+    batch = tuple(np.concatenate([a, 3 * rng.normal(size=(others, *a.shape[1:])),
+                                  np.full((nans, *a.shape[1:]), np.nan)]) for a in problem.batch)
+    rows = problem.batch[0].shape[0]
+    return (Problem(problem.name, problem.params, batch, problem.loss, problem.grads),
+            np.arange(rows + others + nans) < rows)
+
+
 def test_masked_step_ignores_padded_rows(backend, convert):
-    """A noise-free step on 12 real rows padded with 4 masked ones (two copies of real rows,
-    two of NaN) equals the clipped mean of the real rows (1e-4 relative)."""
+    """A noise-free step on 12 real rows padded with 4 masked ones (two of other random
+    values, two of NaN) equals the clipped mean of the real rows (1e-4 relative): a mask
+    applied a row late counts the first padding row (copies of real rows would hide it), one
+    applied a row early a NaN row."""
     problem = tanh_mlp(batch=12, seed=5)
     mech = mechanism(noise=(0.0, 0.0), clips=(0.3, 0.2))
-    padded = problem.take(np.r_[np.arange(12), [0, 1, 2, 3]])
-    padded.batch[0][14:] = np.nan
-    mask = backend.asarray(np.arange(16) < 12, dtype="bool")
+    pad, mask = padded(problem, 2, 2)
     agg = PrivateAggregator(mech, n=N_RECORDS, q=RATE, backend=backend, seed=0)
     agg.begin_step()
     out = convert.numpy(backend.private_gradient(problem.loss(backend.namespace()),
-                                                 convert(padded.params), convert(padded.batch),
-                                                 agg, mask=mask))
+                                                 convert(pad.params), convert(pad.batch),
+                                                 agg, mask=backend.asarray(mask, dtype="bool")))
     sums, _ = oracle_clipped_sum(problem, mech)
     for leaf, total in sums.items():
         np.testing.assert_allclose(out[leaf], total / (RATE * N_RECORDS), rtol=1e-4, atol=1e-6,
                                    err_msg=f"masked noise-free private gradient of {leaf!r}")
+
+
+def test_noise_free_step_on_a_large_batch(backend, convert):
+    """A noise-free step on LARGE_BATCH records of linear regression (one group, clipped at
+    the records' median norm) is the exact clipped mean, to 1e-3 of the clip (float32 sums of
+    2,100 terms are good to about 1e-5 of it): a step cutting the batch into chunks of 512,
+    1024 or 2048 rows that mishandles a chunk's rows is off by a record's clipped gradient
+    per chunk, 0.1 of the clip in the mean."""
+    problem = linear_regression(batch=LARGE_BATCH, seed=4)
+    grads = problem.grads(problem.params, problem.batch)
+    clip = float(np.median(np.sqrt(sum(np.sum(g.reshape(LARGE_BATCH, -1) ** 2, axis=1)
+                                       for g in grads.values()))))
+    mech = Mechanism((Group("all", ("w", "b"), clip, 0.0),))
+    _, out = step(backend, convert, problem, mech)
+    sums, _ = oracle_clipped_sum(problem, mech)
+    for leaf, total in sums.items():
+        np.testing.assert_allclose(out[leaf], total / (RATE * N_RECORDS), rtol=1e-4,
+                                   atol=1e-3 * clip,
+                                   err_msg=f"noise-free private gradient of {leaf!r} on "
+                                   f"{LARGE_BATCH} records")
 
 
 STEPS = 60
@@ -128,13 +164,14 @@ class NoiseRun:
     secure_draws: list | None  # secure: the N(0, 1) values the system's generator gave a step
 
 
-@pytest.fixture(scope="module", params=[("float32", False), ("float32", True),
-                                        ("float64", False)],
-                ids=["float32", "float32-secure", "float64"])
+@pytest.fixture(scope="module", params=[("float32", False, False), ("float32", True, False),
+                                        ("float64", False, False), ("float32", False, True)],
+                ids=["float32", "float32-secure", "float64", "float32-masked"])
 def noise_run(request, backend):
-    dtype, secure = request.param
+    dtype, secure, masked = request.param
     return run_steps(backend, converter(backend, dtype), tanh_mlp(batch=8, dim=50, hidden=200,
-                                                                  seed=8), mechanism, secure)
+                                                                  seed=8), mechanism, secure,
+                     masked=masked)
 
 
 def scalar_mechanism(noise=(1.5, 2.0)):
@@ -152,20 +189,33 @@ def scalar_noise_run(backend, convert):
     return run_steps(backend, convert, scalar_leaves(batch=8, seed=9), scalar_mechanism, False)
 
 
-def run_steps(backend, convert, problem, mechanism, secure, seed=0):
+def run_steps(backend, convert, problem, mechanism, secure, seed=0, masked=False):
     """STEPS steps, alternately on an empty batch (legal under Poisson sampling: the output
     is pure noise) and on a fixed batch of 8 records, whose noise is the output less the
     backend's own noise-free output for it. ``mechanism(noise)`` makes the mechanism.
     ``secure``: the noise is the system's CSPRNG's (unseeded), which the backend must add as
-    it adds its own generator's; its draws are recorded as the generator hands them out."""
+    it adds its own generator's; its draws are recorded as the generator hands them out.
+    ``masked``: every step is padded, as a compiled backend pads its batches to a fixed
+    size, and passes a mask: the empty batch is 4 masked rows, the 8 records are followed
+    by 4 (two of other random values, two of NaN)."""
     empty = problem.take(np.arange(0))
+    masks = [None, None]
+    if masked:
+        (empty, masks[0]), (problem, masks[1]) = padded(empty, 2, 2, 1), padded(problem, 2, 2, 2)
+        masks = [backend.asarray(m, dtype="bool") for m in masks]
     loss_fn = problem.loss(backend.namespace())
     params = convert(problem.params)
     batches = [convert(empty.batch), convert(problem.batch)]
+
+    def release(agg, t):
+        if masks[t % 2] is None:
+            return backend.private_gradient(loss_fn, params, batches[t % 2], agg)
+        return backend.private_gradient(loss_fn, params, batches[t % 2], agg, mask=masks[t % 2])
+
     exact = PrivateAggregator(mechanism(noise=(0.0, 0.0)), n=N_RECORDS, q=RATE,
                               backend=backend, seed=0)
     exact.begin_step()
-    noise_free = convert.numpy(backend.private_gradient(loss_fn, params, batches[1], exact))
+    noise_free = convert.numpy(release(exact, 1))
     agg = PrivateAggregator(mechanism(), n=N_RECORDS, q=RATE, backend=backend,
                             seed=None if secure else seed, secure=secure)
     drawn = record_secure_draws(agg) if secure else None
@@ -173,7 +223,7 @@ def run_steps(backend, convert, problem, mechanism, secure, seed=0):
     for t in range(STEPS):
         agg.begin_step()
         before = len(drawn) if secure else 0
-        released = backend.private_gradient(loss_fn, params, batches[t % 2], agg)
+        released = release(agg, t)
         if secure:
             secure_draws.append(np.concatenate(drawn[before:] or [np.zeros(0)]))
         if t == 0:
@@ -221,12 +271,14 @@ def test_every_leaf_gets_the_noise_the_ledger_records(noise_run):
 
 
 def test_step_noise_is_normal(noise_run):
-    """Kolmogorov-Smirnov test of all normalised noise values (624,060) against N(0, 1):
-    p > 1e-6 (Laplace noise of the right standard deviation has distance 0.03, p ~ 0)."""
+    """Kolmogorov-Smirnov test of all normalised noise values (624,060), standardised by
+    their own standard deviation (a wrong scale is the standard-deviation checks' to name),
+    against N(0, 1): p > 1e-6 (Laplace noise has distance 0.03, p ~ 0)."""
     z = np.concatenate([z.ravel() for z in noise_run.z.values()])
-    distance, p = ks_normal(z)
+    distance, p = ks_normal(z / z.std())
     assert p > 1e-6, (f"step noise is not Gaussian: Kolmogorov-Smirnov distance {distance:.5f} "
-                      f"in {z.size} values, p = {p:.2g} (required > 1e-6)")
+                      f"in {z.size} values standardised by their std ({z.std():.4f} x the "
+                      f"ledger's), p = {p:.2g} (required > 1e-6)")
 
 
 def test_one_value_leaves_get_the_noise_the_ledger_records(scalar_noise_run):
@@ -249,18 +301,32 @@ def test_secure_steps_add_the_secure_generators_draws(noise_run):
     """With ``secure=True`` each step's noise (in the ledger's units) is the N(0, 1) values
     the aggregator's secure generator handed out for that step: at least 99% of the 10,401
     values lie within 1e-5 of one of them (float32 rounding is ~1e-7 here; noise from any
-    other generator matches by chance about 6% of the time)."""
+    other generator matches by chance about 6% of the time). When they do not, each group's
+    noise is compared with the draws up to a scale (:func:`.checks.scale_of_draws`): the
+    draws at a wrong scale are reported as a wrong scale, anything else as noise from
+    another generator."""
     if noise_run.secure_draws is None:
         pytest.skip("the run's aggregator is not secure")
     for t, drawn in enumerate(noise_run.secure_draws):
         z = np.concatenate([noise_run.z[leaf][t] for leaf in noise_run.z])
-        edges = np.concatenate([[-np.inf], np.sort(drawn), [np.inf]])
-        at = np.searchsorted(edges, z)  # edges[at - 1] < z <= edges[at]
-        matched = np.mean(np.minimum(z - edges[at - 1], edges[at] - z) < 1e-5)
-        assert matched >= 0.99, (
+        matched = matched_fraction(z, drawn, 1e-5)
+        if matched >= 0.99:
+            continue
+        assert np.any(z != 0), f"step {t} of a secure aggregator released no noise at all"
+        scales = {g.name: scale_of_draws(np.concatenate([noise_run.z[leaf][t]
+                                                         for leaf in g.leaves]), drawn)
+                  for g in mechanism().groups}
+        if None not in scales.values():
+            pytest.fail(
+                f"step {t} of a secure aggregator released the values its secure generator "
+                f"drew at the wrong scale: its noise is " + ", ".join(
+                    f"{c:.4f} x the draws on group {name!r}" for name, c in scales.items())
+                + " in units of the std the ledger records, where it should be the draws "
+                "(the noise is scaled wrongly, or the ledger records another std)")
+        pytest.fail(
             f"step {t} of a secure aggregator released noise of which {matched:.1%} is the "
-            f"{drawn.size} values its secure generator drew (expected all): the noise came "
-            f"from another generator")
+            f"{drawn.size} values its secure generator drew (expected all), and which is not "
+            f"those values at another scale: the noise came from another generator")
 
 
 def test_no_noise_values_repeat_in_the_releases(noise_run):
@@ -336,3 +402,175 @@ def test_ledger_has_one_sampling_and_one_query_per_group_per_step(backend, conve
         SumQueryEvent(g.name, g.clip, g.noise_std) for g in mech.groups]
     assert list(agg.ledger.events) == expected * 4, (
         f"ledger events {list(agg.ledger.events)}, expected {expected} at each of 4 steps")
+
+
+MANY_STEPS = 2048
+
+
+def test_no_release_repeats_over_many_steps(backend, convert):
+    """MANY_STEPS pure-noise steps of linear regression (6 values a step), alternately on an
+    empty batch and on 4 masked padding rows, concatenated: no run of 6 values occurs twice
+    (found by hashing every run). A step that takes its noise from a pool of draws, or a
+    generator cycling, with a period below MANY_STEPS steps (below 1,024 steps of one of the
+    two paths) repeats whole releases; the 60 steps of the other checks see periods below 60
+    only. A correct generator repeats a run of 6 float32 values among 12,283 with
+    probability below 2^-110."""
+    problem = linear_regression(batch=0, seed=3)
+    pad, mask = padded(problem, 2, 2, seed=3)
+    mask = backend.asarray(mask, dtype="bool")
+    loss_fn, params = problem.loss(backend.namespace()), convert(problem.params)
+    empty, padding = convert(problem.batch), convert(pad.batch)
+    agg = PrivateAggregator(Mechanism((Group("all", ("w", "b"), 1.0, 1.0),)), n=N_RECORDS,
+                            q=RATE, backend=backend, seed=5)
+    releases = []
+    for t in range(MANY_STEPS):
+        agg.begin_step()
+        out = (backend.private_gradient(loss_fn, params, empty, agg) if t % 2 == 0 else
+               backend.private_gradient(loss_fn, params, padding, agg, mask=mask))
+        out = convert.numpy(out)
+        releases.append(np.concatenate([out["w"].ravel(), out["b"].ravel()]))
+    x = np.concatenate(releases)
+    repeat = repeated_run(x, 6)
+    assert repeat is None, (
+        f"releases of pure-noise steps repeat: the 6 values at {repeat[0]} reappear at "
+        f"{repeat[1]} of {MANY_STEPS} steps' releases concatenated (6 values a step: a pool "
+        f"or cycle of {(repeat[1] - repeat[0]) / 6:g} steps?)")
+
+
+SCHEDULE = (1.0, 0.5, 2.0, 0.25)
+
+
+def step_events(ledger) -> list[dict]:
+    """The sum-query events of each step of ``ledger``, by group name."""
+    steps = []
+    for event in ledger.events:
+        if isinstance(event, SamplingEvent):
+            steps.append({})
+        elif isinstance(event, SumQueryEvent):
+            steps[-1][event.group] = event
+    return steps
+
+
+def test_clip_schedule_steps_clip_at_each_steps_clip(backend, convert):
+    """A :class:`~dpcore.schedules.ClipSchedule` moves the clips (0.3, 0.2) by SCHEDULE's
+    factors, step by step; odd steps are padded (4 masked rows). Each noise-free step records
+    the schedule's clips in the ledger and its output is the exact clipped mean at those
+    clips (1e-4 relative): a step that keeps the clips (or the program built for them) of its
+    first step releases the second with twice its recorded bound."""
+    problem = tanh_mlp(batch=12, seed=5)
+    pad, mask = padded(problem, 2, 2)
+    base = mechanism(noise=(0.0, 0.0), clips=(0.3, 0.2))
+    agg = PrivateAggregator(base, n=N_RECORDS, q=RATE, backend=backend, seed=0,
+                            clipping=ClipSchedule(lambda t: SCHEDULE[t % len(SCHEDULE)]))
+    loss_fn, params = problem.loss(backend.namespace()), convert(problem.params)
+    clipped = []
+    for t, factor in enumerate(SCHEDULE):
+        agg.begin_step()
+        if t % 2:
+            out = backend.private_gradient(loss_fn, params, convert(pad.batch), agg,
+                                           mask=backend.asarray(mask, dtype="bool"))
+        else:
+            out = backend.private_gradient(loss_fn, params, convert(problem.batch), agg)
+        out = convert.numpy(out)
+        events = step_events(agg.ledger)[t]
+        for group in base.groups:
+            assert np.isclose(events[group.name].clip, group.clip * factor, rtol=1e-12), (
+                f"step {t} records clip {events[group.name].clip} for group {group.name!r}, "
+                f"the schedule's is {group.clip * factor}")
+        mech = mechanism(noise=(0.0, 0.0), clips=(events["hidden"].clip,
+                                                  events["output"].clip))
+        sums, count = oracle_clipped_sum(problem, mech)
+        clipped.append(count)
+        for leaf, total in sums.items():
+            np.testing.assert_allclose(
+                out[leaf], total / (RATE * N_RECORDS), rtol=1e-4, atol=1e-6,
+                err_msg=f"step {t} of a clip schedule (factor {factor}): the noise-free "
+                f"private gradient of {leaf!r} is not clipped at the clips the ledger records")
+    assert len(set(clipped)) > 1, "test data must be clipped differently at the steps' clips"
+
+
+def test_clip_schedule_steps_add_each_steps_noise(backend, convert):
+    """A clip schedule holding the noise multiplier: the noise moves with the clip (SCHEDULE's
+    factors in turn). Twelve steps, alternately on an empty batch and on 8 records, each
+    step's noise (its output less the backend's noise-free output under the same schedule)
+    over its 10,401 values in units of the std the ledger records for that step has standard
+    deviation 1 within 7 standard errors 7/sqrt(2 x 10,401) (4.9%): a step keeping the noise
+    of its first step adds 0.5x, 2x or 4x."""
+    problem = tanh_mlp(batch=8, dim=50, hidden=200, seed=8)
+    empty = problem.take(np.arange(0))
+    loss_fn, params = problem.loss(backend.namespace()), convert(problem.params)
+    batches = [convert(empty.batch), convert(problem.batch)]
+
+    def schedule():
+        return ClipSchedule(lambda t: SCHEDULE[t % len(SCHEDULE)], hold="noise_multiplier")
+
+    exact = PrivateAggregator(mechanism(noise=(0.0, 0.0)), n=N_RECORDS, q=RATE,
+                              backend=backend, seed=0, clipping=schedule())
+    agg = PrivateAggregator(mechanism(), n=N_RECORDS, q=RATE, backend=backend, seed=6,
+                            clipping=schedule())
+    for t in range(12):
+        exact.begin_step()
+        noise_free = convert.numpy(backend.private_gradient(loss_fn, params, batches[1], exact))
+        agg.begin_step()
+        out = convert.numpy(backend.private_gradient(loss_fn, params, batches[t % 2], agg))
+        events = step_events(agg.ledger)[t]
+        z = np.concatenate([
+            (out[leaf] - (noise_free[leaf] if t % 2 else 0)).ravel() * agg.expected_size
+            / (group.scale(leaf) * events[group.name].noise_std)
+            for group in agg.mechanism.groups for leaf in group.leaves])
+        tolerance = 7 / np.sqrt(2 * z.size)
+        assert abs(z.std() - 1) < tolerance, (
+            f"step {t} of a clip schedule (factor {SCHEDULE[t % len(SCHEDULE)]}) adds "
+            f"{z.std():.4f} x the noise the ledger records for it, expected 1 +- "
+            f"{tolerance:.4f}")
+
+
+def test_adaptive_clipping_steps_clip_where_the_counts_move_the_clips(backend, convert):
+    """:class:`~dpcore.adaptive.QuantileClipping` without noise (gradient and counts), over
+    six steps of 12 records (odd steps padded with 4 masked rows): each step's output is the
+    exact clipped mean at the clips the ledger records for it (1e-4 relative), and each next
+    step's clip is the geometric update of the last from the exact fraction of the real
+    records left unclipped (1e-6 relative). A step that keeps its first clips, or counts
+    padded rows or factors other than those it applied, fails. A backend whose
+    ``private_gradient`` refuses adaptive clipping (raising before any query is recorded) is
+    skipped, with its reason."""
+    problem = tanh_mlp(batch=12, seed=5)
+    pad, mask = padded(problem, 2, 2)
+    base = mechanism(noise=(0.0, 0.0), clips=(0.3, 0.2))
+    config = QuantileClipping(learning_rate=1.0, count_noise_std=0.0)
+    agg = PrivateAggregator(base, n=N_RECORDS, q=RATE, backend=backend, seed=0,
+                            clipping=config)
+    loss_fn, params = problem.loss(backend.namespace()), convert(problem.params)
+    clips = [g.clip for g in base.groups]
+    for t in range(6):
+        agg.begin_step()
+        try:
+            if t % 2:
+                out = backend.private_gradient(loss_fn, params, convert(pad.batch), agg,
+                                               mask=backend.asarray(mask, dtype="bool"))
+            else:
+                out = backend.private_gradient(loss_fn, params, convert(problem.batch), agg)
+        except (ValueError, TypeError, NotImplementedError) as exc:
+            if t == 0 and not step_events(agg.ledger)[0]:
+                pytest.skip(f"backend {backend.name!r} refuses adaptive clipping in "
+                            f"private_gradient: {type(exc).__name__}: {exc}")
+            raise
+        out = convert.numpy(out)
+        events = step_events(agg.ledger)[t]
+        recorded = [events[g.name].clip for g in base.groups]
+        np.testing.assert_allclose(recorded, clips, rtol=1e-6, err_msg=(
+            f"the clips step {t} records are not the update of the last step's clips from the "
+            f"fraction of its records left unclipped"))
+        mech = mechanism(noise=(0.0, 0.0), clips=recorded)
+        sums, _ = oracle_clipped_sum(problem, mech)
+        for leaf, total in sums.items():
+            np.testing.assert_allclose(
+                out[leaf], total / (RATE * N_RECORDS), rtol=1e-4, atol=1e-6,
+                err_msg=f"step {t} of adaptive clipping: the noise-free private gradient of "
+                f"{leaf!r} is not clipped at the clips the ledger records")
+        grads = problem.grads(problem.params, problem.batch)
+        for g, group in enumerate(mech.groups):
+            norms = np.sqrt(sum(np.sum(grads[leaf].reshape(12, -1) ** 2, axis=1)
+                                / group.scale(leaf) ** 2 for leaf in group.leaves))
+            fraction = (np.sum(norms <= group.clip) - 6) / (RATE * N_RECORDS) + 0.5
+            clips[g] = update_clip(group.clip, fraction, config)
