@@ -13,26 +13,10 @@ import torch.nn.functional as F  # noqa: E402
 import dpcore  # noqa: E402
 from dpcore.aggregation import NonFiniteNormError  # noqa: E402
 from dpcore_torch import CompiledPrivateStep, LeakedGradientError, NotPerExampleError  # noqa: E402
+from test_torch_per_example import Seq  # noqa: E402  (Embedding, Conv1d, GroupNorm, LayerNorm, Linear)
 
 RTOL = 1e-6
 LOSS = nn.CrossEntropyLoss(reduction="none")
-
-
-class Seq(nn.Module):
-    """Embedding (a padding row, repeated tokens), Conv1d, GroupNorm, LayerNorm and a Linear
-    layer on (B, T, d)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(13, 6, padding_idx=0)
-        self.conv = nn.Conv1d(6, 8, 3, padding=1)
-        self.gn = nn.GroupNorm(2, 8)
-        self.ln = nn.LayerNorm(8)
-        self.fc = nn.Linear(8, 3)
-
-    def forward(self, k):
-        h = self.gn(self.conv(self.emb(k).transpose(1, 2))).transpose(1, 2)
-        return self.fc(torch.tanh(self.ln(h))).mean(1)
 
 
 class Image(nn.Module):
