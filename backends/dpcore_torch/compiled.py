@@ -27,10 +27,14 @@ the program: a Python branch on a tensor's value, a tensor the model holds that 
 parameter nor a buffer, a rule whose shapes depend on the data. Checks the engine makes on
 Python objects (parameters used outside their layer, several backward passes, rows folded
 into the batch) run at tracing; they depend on the model and the shapes only. The first two
-steps run the same function eagerly, with the checks the engine makes on values: that the
-model keeps the examples apart (:mod:`dpcore_torch.independence`), that a fallback module's
-replay of each example gives its output in the batch. Later steps, compiled, do not repeat
-them. Convolutions take the form the eager steps timed faster.
+steps, and any later ones until the model has been checked to keep the examples apart
+(:mod:`dpcore_torch.independence`; it waits for two distinct records), run the same function
+eagerly, with the checks the engine makes on values (that one, and that a fallback module's
+replay of each example gives its output in the batch). Later steps, compiled, do not repeat
+them. Convolutions take the form the eager steps timed faster. A program is traced, before
+its step begins, per bucket, training modes and autocast state (both are traced into it);
+under autocast the norms, clip factors and sums are formed with it off, at tracing, in
+Inductor's compilation (whose decompositions would otherwise take it) and at run time.
 
 The program runs with float32 matrix products at full precision throughout (the eager engine
 asks it for its norms and sums only): its graph does not separate the model's products from
@@ -53,9 +57,10 @@ from dpcore.sampling import Buckets
 
 from .backend import TorchBackend
 from .engine import LeakedGradientError, PerExampleEngine
-from .layers import full_precision, traced
+from .layers import autocast_off, full_precision, traced
 
 EAGER_STEPS = 2  # steps run eagerly first: the engine's checks of values, and its timings
+AUTOCAST = ("cpu", "cuda")  # devices whose autocast state a program is traced under
 
 
 class _Step(nn.Module):
@@ -89,7 +94,7 @@ class _Step(nn.Module):
                 f"parameters in the loss), which dpcore cannot see per example. Use the weight "
                 f"only through modules (tie weights by assigning the same Parameter to two "
                 f"modules) and regularise through the optimizer (weight_decay)")
-        with torch.no_grad():
+        with torch.no_grad(), autocast_off():  # the forward may run under autocast; not these
             sq_norms = engine.sq_norms(mechanism.leaves)
             norms = group_norms(sq_norms, mechanism, mechanism.leaves, xp=xp)
             finite = torch.isfinite(norms).all(1)
@@ -125,9 +130,10 @@ def _rows(tensors) -> int:
 
 
 def _pad(t, size: int):
-    """``t`` with zero rows appended up to ``size`` rows."""
+    """``t`` with zero rows appended up to ``size`` rows, contiguous (the program's inputs
+    have the strides it was traced with)."""
     if t.shape[0] == size:
-        return t
+        return t.contiguous()
     return torch.cat([t, t.new_zeros((size - t.shape[0], *t.shape[1:]))])
 
 
@@ -155,7 +161,9 @@ class CompiledPrivateStep:
     gradient, which it also returns ({parameter name: tensor}); then call
     ``optimizer.step()``. ``prefer`` is the engine's (ghost norms or materialised gradients),
     ``check_independence`` its check that the model keeps the examples apart, made on the
-    first two steps, which run eagerly. The model stays instrumented until :meth:`detach`.
+    first steps, which run eagerly. The model's parameters must stay the objects they were,
+    frozen or not as they were (their values may change in place). The model stays
+    instrumented until :meth:`detach`.
 
     Clip schedules are served (clips and noise stds are inputs of the program); adaptive
     clipping, whose counts are released beside the gradient, is not (use
@@ -186,6 +194,16 @@ class CompiledPrivateStep:
                            aggregator.expected_size)
         self._eager = EAGER_STEPS
         self._values = sum(p.numel() for p in self.engine.params.values())  # normals a step
+        self._frozen_names = tuple(name for name, p in model.named_parameters()
+                                   if not p.requires_grad)
+        # (owner module, attribute, parameter) of every parameter, trainable ones first
+        owners = {name: (module, attr) for prefix, module in model.named_modules()
+                  for attr in module._parameters
+                  for name in [f"{prefix}.{attr}" if prefix else attr]}
+        values = dict(model.named_parameters())
+        self._owners = [(*owners[name], values[name])
+                        for name in (*self.engine.params, *self._frozen_names)]
+        self._modules = list(model.modules())  # their training modes key the programs
         self._buffer_names = tuple(name for name, _ in model.named_buffers())
         self._positions: dict[int, torch.Tensor] = {}  # arange(size) per bucket, for masks
         self._programs: dict[tuple, Callable] = {}
@@ -205,24 +223,33 @@ class CompiledPrivateStep:
         rows = _rows([*inputs, *targets])
         size = self.buckets.size_for(rows)
         batch = [_pad(t, size) for t in (*inputs, *targets)]
-        params = [p.detach() for p in self.engine.params.values()]
+        params, frozen = self._parameters()
         like = params[0]
         positions = self._positions.get(size)
         if positions is None:
             positions = self._positions[size] = torch.arange(size, device=like.device)
         agg = self.aggregator
         self.engine.clear()  # calls of forward passes with gradients since the last step
+        layout = (len(inputs), single)
+        # parameters, buffers, batch, mask, then the step's normals, clips and stds
+        flat = [*params, *frozen, *self._buffers(), *batch, positions < rows]
+        eager = self._eager > 0 or self.engine.check_pending()
+        if not eager:  # traced (from the shapes) before the step begins: a model that
+            # cannot be traced fails with no event written
+            with full_precision():
+                program = self._program(layout, batch, flat + [like.new_empty(self._values),
+                                                               *self._clips_and_stds()])
         agg.begin_step()
         clips, stds = self._clips_and_stds()
         agg.rng, normals = agg.standard_normal(agg.rng, (self._values,), like)
-        flat = [*params, *self._buffers(), *batch, positions < rows, normals, clips, stds]
-        layout = (len(inputs), single)
+        flat += [normals, clips, stds]
         with full_precision():
-            if self._eager:
+            if eager:
                 out = self._run(layout, *flat)
-                self._eager -= 1
+                self._eager = max(self._eager - 1, 0)
             else:
-                out = self._program(layout, batch, flat)(*flat)
+                with autocast_off():  # the trace holds autocast's casts; at run time it
+                    out = program(*flat)  # would round the norms' and sums' products too
         means, bad, any_bad = dict(zip(self.engine.params, out)), out[-2], out[-1]
         if agg.on_nonfinite == "raise" and bool(any_bad):
             bad_rows = torch.nonzero(bad).flatten().tolist()
@@ -234,6 +261,26 @@ class CompiledPrivateStep:
         for name, p in self.engine.params.items():
             p.grad = means[name]
         return means
+
+    def _parameters(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The model's trainable and frozen parameters, as the step was built for them: a
+        parameter replaced by another object, frozen or unfrozen since then is refused (the
+        step would go on reading the old one, or noise a parameter no optimizer moves)."""
+        trainable = len(self.engine.params)
+        names = (*self.engine.params, *self._frozen_names)
+        moved = [name for name, (module, attr, p) in zip(names, self._owners)
+                 if module._parameters.get(attr) is not p]
+        switched = [name for k, (name, (_, _, p)) in enumerate(zip(names, self._owners))
+                    if p.requires_grad != (k < trainable)]
+        if moved or switched:
+            raise ValueError(
+                "the model's parameters changed since this step was built: "
+                + "; ".join([f"{moved} replaced by other objects"] * bool(moved)
+                            + [f"{switched} frozen or unfrozen"] * bool(switched))
+                + ". Change their values in place (copy_, load_state_dict) or build a new "
+                  "CompiledPrivateStep and optimizer")
+        return ([p.detach() for _, _, p in self._owners[:trainable]],
+                [p.detach() for _, _, p in self._owners[trainable:]])
 
     def _buffers(self) -> list[torch.Tensor]:
         """The model's buffers (inputs of the program, so it reads their current values)."""
@@ -267,11 +314,13 @@ class CompiledPrivateStep:
         by leaf, the rows with non-finite norms and whether there is one out."""
         names, buffer_names = list(self.engine.params), self._buffer_names
         params, flat = flat[:len(names)], flat[len(names):]
+        frozen, flat = flat[:len(self._frozen_names)], flat[len(self._frozen_names):]
         buffers, flat = flat[:len(buffer_names)], flat[len(buffer_names):]
         (inputs, targets), (mask, normals, clips, stds) = (
             (flat[:layout[0]], flat[layout[0]:-4]), flat[-4:])
         leaves = {name: p.detach().requires_grad_() for name, p in zip(names, params)}
         state = {**{f"model.{k}": v for k, v in leaves.items()},
+                 **{f"model.{k}": v for k, v in zip(self._frozen_names, frozen)},
                  **{f"model.{k}": v for k, v in zip(buffer_names, buffers)}}
         means, bad, any_bad = torch.func.functional_call(
             self._step, state, (leaves, tuple(inputs), targets[0] if layout[1] else
@@ -280,11 +329,14 @@ class CompiledPrivateStep:
 
     def _program(self, layout, batch, flat) -> Callable:
         """The compiled program for the layout, shapes and dtypes of the padded ``batch``
-        (everything else keeps its shapes), traced and compiled on first use. Inductor
+        (everything else keeps its shapes), the modules' training modes and the autocast in
+        force (both are traced into the program), traced and compiled on first use. Inductor
         compiles the traced graph directly (``torch._inductor.compile``): through
         ``torch.compile`` each call would pass dynamo's guards and pytree flattening, 0.1 ms
         of the covertype MLP's 0.9 ms step on one core."""
-        key = (layout, *((tuple(t.shape), t.dtype) for t in batch))
+        key = (layout, *((tuple(t.shape), t.dtype) for t in batch),
+               tuple(m.training for m in self._modules),
+               *((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in AUTOCAST))
         program = self._programs.get(key)
         if program is None:
             try:
@@ -294,7 +346,9 @@ class CompiledPrivateStep:
                 if type(error).__module__.startswith("dpcore") or type(error) is ValueError:
                     raise  # dpcore's own refusals (a leaked gradient, mixed rows, ...)
                 raise _untraceable(size=batch[0].shape[0], error=error) from error
-            program = self._programs[key] = torch._inductor.compile(graph, flat)
+            with autocast_off():  # the graph holds the forward's casts; Inductor's own
+                # decompositions of the sums' products must not be autocast
+                program = self._programs[key] = torch._inductor.compile(graph, flat)
         return program
 
     def compiled_shapes(self) -> int:

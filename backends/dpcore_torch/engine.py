@@ -33,7 +33,7 @@ from .independence import Probe, probing, rerunning
 from .instrumentation import forget, instrumentation, set_by_dpcore
 from .layers import (PREFERENCES, RULES, AccumulationError, NotPerExampleError, Rule,
                      add_contraction, check_lookup_table, full_precision, keep_rows,
-                     row_sq_norms, tick)
+                     row_sq_norms, tick, tracing)
 from .recurrent import RECURRENT_RULES
 
 MODES = ("auto", "vmap")
@@ -259,7 +259,7 @@ class PerExampleEngine:
                     torch.compiler.disable(self._count_batch)))
             if sub is module and self._probe is not None:
                 hooks += [  # not traced into a compiled model's call
-                    sub.register_forward_pre_hook(torch.compiler.disable(self._probe.start),
+                    sub.register_forward_pre_hook(torch.compiler.disable(self._probe_start),
                                                   with_kwargs=True),
                     sub.register_forward_hook(torch.compiler.disable(self._probe.finish),
                                               with_kwargs=True),
@@ -408,6 +408,17 @@ class PerExampleEngine:
         if self._probe is not None:
             self._probe.rerun_if_pending(self.module)
 
+    def check_pending(self) -> bool:
+        """Whether the model is yet to be checked to keep the examples apart: the check waits
+        for a pass with two distinct examples or more (an empty Poisson sample does not do)."""
+        return self._probe is not None and self._probe.state != "done" and not self._probe.checked
+
+    def _probe_start(self, module, args, kwargs) -> None:
+        """The check's root forward pre-hook, but while a compiled step is traced (fake
+        tensors: no values to compare; the eager steps made the check)."""
+        if not tracing():
+            self._probe.start(module, args, kwargs)
+
     # ------------------------------------------------------------------ per-step results
     @property
     def leaf_sizes(self) -> dict[str, int]:
@@ -525,7 +536,7 @@ class PerExampleEngine:
             uses = contributions[leaf]
             p = self.params[leaf]
             if not uses:
-                cols.append(p.new_zeros(batch))
+                cols.append(torch.zeros(batch, dtype=p.dtype, device=p.device))
             elif len(uses) == 1 and isinstance(uses[0][0], _RuleUnit):
                 unit, call, key = uses[0]
                 cols.append(unit.rule.sq_norm(unit.module, call, key, self.prefer))

@@ -319,6 +319,19 @@ def full_precision():
         torch.set_float32_matmul_precision(before)
 
 
+@contextlib.contextmanager
+def autocast_off():
+    """Autocast off within the block, on the CPU and on CUDA: norms, clip factors and clipped
+    sums formed under the caller's ``torch.autocast`` (a compiled step's forward runs in it)
+    would take their products in bfloat16 or float16, and one record's contribution could
+    exceed its clip (1.75 S measured for a LayerNorm group under bfloat16)."""
+    on = [device for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)]
+    with contextlib.ExitStack() as stack:
+        for device in on:
+            stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
 def ghost_sq_norms(x, g):
     """Squared norms (N,) of g_n^T x_n from x (N, T, d_in) and g (N, T, d_out) without forming
     it: the ghost identity sum_{t,s} (x_t . x_s)(g_t . g_s), in float32 at least with the Gram

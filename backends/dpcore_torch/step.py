@@ -23,6 +23,7 @@ import torch
 from dpcore import PrivateAggregator
 
 from .engine import PerExampleEngine
+from .layers import autocast_off
 
 
 def private_grads(engine: PerExampleEngine, aggregator: PrivateAggregator, loss=None, *,
@@ -43,6 +44,7 @@ def private_grads(engine: PerExampleEngine, aggregator: PrivateAggregator, loss=
 
 
 @torch.no_grad()
+@autocast_off()  # a caller's autocast would round the norms and sums
 def clip_into(engine: PerExampleEngine, aggregator: PrivateAggregator, noisy_sums):
     """Add the clipped sums of the examples of the backward pass just run into ``noisy_sums``
     (the step's :meth:`~dpcore.PrivateAggregator.noise_draws`) and return their clip factors

@@ -164,3 +164,36 @@ def test_a_grad_scaler_is_refused_and_the_optimizer_steps_without_it():
     F.cross_entropy(model(x), y).backward()
     opt.step()
     assert len(opt.ledger.steps()) == 1
+
+
+def test_a_step_taken_inside_the_autocast_region_keeps_one_record_within_its_clip():
+    """The whole step inside the autocast region (forward, backward and the private
+    gradient): norms, clip factors and sums stay float32, so adding one more of B identical
+    records (B = 40..56, per-layer clipping, z = 0) moves each group's sum by at most its
+    clip. Under autocast, the core's group norms and the sums' products took bfloat16."""
+    import math
+
+    import dpcore
+    from dpcore_torch import private_grads
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 3))
+    engine = PerExampleEngine(model, loss_reduction="sum", check_independence=False)
+    mech = dpcore.per_layer(dict(engine.leaf_sizes), total_clip=1.0, noise_multiplier=0.0)
+    agg = dpcore.PrivateAggregator(mech, n=2000, q=0.05, backend="torch", seed=0)
+    x = (3 * torch.randn(1, 8, generator=torch.Generator().manual_seed(1))).expand(64, 8)
+    y = torch.ones(64, dtype=torch.long)
+    worst, last = {g.name: 0.0 for g in mech.groups}, None
+    for b in range(40, 57):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x[:b]), y[:b], reduction="sum")
+            out = private_grads(engine, agg, loss, begin_step=True)
+        out = {k: v.double() * agg.expected_size for k, v in out.items()}
+        if last is not None:
+            for g in mech.groups:
+                moved = math.sqrt(sum(float((out[leaf] - last[leaf]).square().sum())
+                                      for leaf in g.leaves))
+                worst[g.name] = max(worst[g.name], moved / g.clip)
+        last = out
+    assert max(worst.values()) <= 1 + 1e-4, worst
+    assert worst["3.weight"] > 0.99  # the records are clipped: the test has teeth

@@ -59,15 +59,16 @@ def model_and_data(name, rows=10, seed=0):
 def oracle(model, x, y, clip, expected_size):
     """sum_i min(1, S / ||g_i||) g_i / (q n) with the gradients g_i of one example at a time
     (float64 autograd)."""
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     total = {n: torch.zeros_like(p) for n, p in params.items()}
     for i in range(x.shape[0]):
-        model.zero_grad()
-        F.cross_entropy(model(x[i:i + 1]), y[i:i + 1], reduction="sum").backward()
-        norm = math.sqrt(sum(float(p.grad.square().sum()) for p in params.values()))
+        loss = F.cross_entropy(model(x[i:i + 1]), y[i:i + 1], reduction="sum")
+        grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params.values(), grads)]
+        norm = math.sqrt(sum(float(g.square().sum()) for g in grads))
         factor = min(1.0, clip / norm) if norm > 0 else 1.0
-        for n, p in params.items():
-            total[n] += factor * p.grad
+        for n, g in zip(params, grads):
+            total[n] += factor * g
     return {n: t / expected_size for n, t in total.items()}
 
 
@@ -247,15 +248,16 @@ class Branching(nn.Module):
         return h if bool(h.sum() > 0) else -h  # a branch on the batch's values
 
 
-@pytest.mark.parametrize("module, error, match", [
-    (Mixing, NotPerExampleError, "mix"),
-    (Tied, LeakedGradientError, r"\['fc.weight'\]"),
-    (Branching, RuntimeError, "could not be traced"),
+@pytest.mark.parametrize("module, error, match, begun", [
+    (Mixing, NotPerExampleError, "mix", 1),
+    (Tied, LeakedGradientError, r"\['fc.weight'\]", 1),
+    (Branching, RuntimeError, "could not be traced", 0),
 ])
 def test_what_cannot_be_a_private_compiled_step_is_refused_before_a_release(module, error,
-                                                                            match):
+                                                                            match, begun):
     """Mixing examples is found by the eager steps' check, a weight used outside its layer by
-    its leaf's gradient, a branch on values at tracing (step 3); nothing is released."""
+    its leaf's gradient (both within a step: its sampling event is written), a branch on
+    values at tracing (step 3), before the step begins; nothing is released."""
     torch.manual_seed(0)
     model = module().double()
     agg = aggregator(model)
@@ -266,7 +268,7 @@ def test_what_cannot_be_a_private_compiled_step_is_refused_before_a_release(modu
         for _ in range(3):
             step(x, y)
     released = len([e for e in agg.ledger.events if isinstance(e, dpcore.SumQueryEvent)])
-    assert released == agg.ledger.samplings - 1
+    assert released == agg.ledger.samplings - begun
 
 
 def test_bad_arguments_are_refused():
@@ -395,3 +397,152 @@ def test_attention_and_recurrent_rules_compile_to_the_eager_engines_step():
         expected = private_grads(engine, twin_agg, F.cross_entropy(twin(x), y, reduction="sum"))
         assert_close(step(x, y), expected)
     assert step.compiled_shapes() == 1
+
+
+class Norm(nn.Module):
+    """Linear, LayerNorm, tanh, Linear: the LayerNorm bias's group is where bfloat16 sums
+    showed (one record moved it by 1.75 clips)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.ln, self.fc2 = nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.ln(self.fc1(x))))
+
+
+def test_under_autocast_one_record_moves_each_group_by_at_most_its_clip():
+    """A step called under bfloat16 autocast (its forward runs in it) forms norms, clip
+    factors and sums in float32, eagerly and compiled: adding one more of B identical records
+    (B = 40..60, one bucket of 64, per-layer clipping, z = 0; B = 40, 41 eager, the rest
+    compiled) moves each group's sum by at most its clip. Before, the compiled program's matrix products were autocast again at run
+    time, and the sums rounded to bfloat16 moved by up to 1.75 clips."""
+    torch.manual_seed(0)
+    model = Norm()
+    mech = dpcore.per_layer({n: p.numel() for n, p in model.named_parameters()},
+                            total_clip=1.0, noise_multiplier=0.0)
+    agg = dpcore.PrivateAggregator(mech, n=2000, q=0.05, backend="torch", seed=0)
+    step = CompiledPrivateStep(model, LOSS, agg, buckets=dpcore.Buckets(64, granularity=64),
+                               check_independence=False)
+    x = (3 * torch.randn(1, 8, generator=torch.Generator().manual_seed(1))).expand(64, 8)
+    y = torch.ones(64, dtype=torch.long)
+    worst = {g.name: 0.0 for g in mech.groups}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        last = None
+        for b in range(40, 61):  # steps 1 and 2 eager, then compiled
+            out = {k: v.double() * agg.expected_size for k, v in step(x[:b], y[:b]).items()}
+            if last is not None and b != 42:  # 41 -> 42: eager, then compiled (other
+                # roundings of the bfloat16 forward: not two inputs of one mechanism)
+                for g in mech.groups:
+                    moved = math.sqrt(sum(float((out[leaf] - last[leaf]).square().sum())
+                                          for leaf in g.leaves))
+                    worst[g.name] = max(worst[g.name], moved / g.clip)
+            last = out
+    assert step.compiled_shapes() == 1
+    assert max(worst.values()) <= 1 + 1e-4, worst
+    assert worst["fc2.weight"] > 0.99  # the test's records are clipped: it has teeth
+
+
+class Frozen(nn.Module):
+    """A frozen Linear before a trainable one, and a trainable Linear the forward never uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen, self.fc, self.unused = nn.Linear(5, 5), nn.Linear(5, 3), nn.Linear(2, 2)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.frozen(x)))
+
+
+def test_frozen_and_unused_parameters_compile():
+    """A frozen parameter is an input of the program (its current value is read: moving it
+    between steps moves the gradient), an unused trainable one gets zero norms and sums;
+    compiled steps equal the oracle, and every step releases."""
+    torch.manual_seed(0)
+    model = Frozen().double()
+    twin = copy.deepcopy(model)
+    agg = aggregator(model, clip=0.05)
+    step = CompiledPrivateStep(model, LOSS, agg)
+    x = torch.randn(10, 5, dtype=torch.float64)
+    y = torch.randint(0, 3, (10,))
+    for t in range(4):
+        if t == 3:
+            with torch.no_grad():
+                for m in (model, twin):
+                    m.frozen.weight.mul_(2.0)
+        got = step(x, y)
+        expected = oracle(twin, x, y, 0.05, agg.expected_size)
+        assert_close(got, expected)
+        assert float(got["unused.weight"].abs().max()) == 0
+    assert step.compiled_shapes() == 1
+    assert agg.ledger.steps() == [dpcore.Step(q=0.1, noise_multiplier=0.0, count=4)]
+
+
+def test_the_program_waits_for_the_independence_check():
+    """Empty Poisson samples in the first steps leave the check that the model keeps the
+    examples apart to a later step: the steps stay eager until it is made (tracing had run
+    the waiting check on fake tensors, and failed at every step)."""
+    model, x, y = model_and_data("mlp")
+    agg = aggregator(model, clip=0.05)
+    step = CompiledPrivateStep(model, LOSS, agg, buckets=dpcore.Buckets(10, granularity=16))
+    for rows in (0, 0, 0, 10):
+        step(x[:rows], y[:rows])
+        assert step.compiled_shapes() == 0
+    assert not step.engine.check_pending()
+    for rows in (10, 7):
+        step(x[:rows], y[:rows])
+    assert step.compiled_shapes() == 1
+    assert agg.ledger.samplings == 6 and len(agg.ledger.steps()) == 1
+
+
+def test_parameters_replaced_or_frozen_after_the_step_was_built_are_refused():
+    """A parameter replaced by a new object (the step read the old one) or frozen since the
+    step was built (its noised gradient would still be set) is refused before the step
+    begins; a value changed in place is read."""
+    model, x, y = model_and_data("mlp")
+    agg = aggregator(model, clip=0.05)
+    step = CompiledPrivateStep(model, LOSS, agg)
+    step(x, y)
+    model[2].weight = nn.Parameter(model[2].weight.detach().clone())
+    with pytest.raises(ValueError, match=r"\['2.weight'\] replaced"):
+        step(x, y)
+    model, x, y = model_and_data("mlp")
+    agg = aggregator(model, clip=0.05)
+    step = CompiledPrivateStep(model, LOSS, agg)
+    model[0].requires_grad_(False)
+    with pytest.raises(ValueError, match=r"\['0.weight', '0.bias'\] frozen or unfrozen"):
+        step(x, y)
+    assert agg.ledger.samplings == 0
+
+
+def test_a_program_is_traced_for_each_training_mode():
+    """Dropout traced in training mode is not applied once the model is in eval mode (a new
+    program is traced for it): the release then equals the oracle of the model without
+    dropout, and two steps on one batch release the same."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Dropout(0.5), nn.Tanh(), nn.Linear(7, 3)).double()
+    twin = copy.deepcopy(model).eval()
+    x = torch.randn(10, 5, dtype=torch.float64)
+    y = torch.randint(0, 3, (10,))
+    agg = aggregator(model, clip=0.05)
+    step = CompiledPrivateStep(model, LOSS, agg)
+    for _ in range(3):
+        step(x, y)
+    model.eval()
+    first, second = step(x, y), step(x, y)
+    assert step.compiled_shapes() == 2
+    assert_close(first, oracle(twin, x, y, 0.05, agg.expected_size))
+    assert_close(second, first)
+
+
+def test_a_non_contiguous_batch_that_fills_its_bucket_runs():
+    """A transposed batch of exactly the bucket's size reaches the program contiguous (it
+    asserts the strides it was traced with)."""
+    model, x, y = model_and_data("mlp", rows=8)
+    agg = aggregator(model, clip=0.05)
+    step = CompiledPrivateStep(model, LOSS, agg, buckets=dpcore.Buckets(8, granularity=8))
+    xt = x.t().contiguous().t()  # the same values, other strides
+    for _ in range(3):
+        step(x, y)
+    assert_close(step(xt, y), step(x, y))
