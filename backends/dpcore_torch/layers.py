@@ -326,6 +326,9 @@ def autocast_off():
     would take their products in bfloat16 or float16, and one record's contribution could
     exceed its clip (1.75 S measured for a LayerNorm group under bfloat16)."""
     on = [device for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)]
+    if not on:
+        yield
+        return
     with contextlib.ExitStack() as stack:
         for device in on:
             stack.enter_context(torch.autocast(device, enabled=False))
