@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 import pluggy
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
 
 from . import hookspecs
 
@@ -171,32 +173,25 @@ def _install_hint(name: str, entry: _Entry) -> str:
         requires = importlib.metadata.requires(dist) or []
     except importlib.metadata.PackageNotFoundError:
         return f"install the package that provides {modules}"
-    if _normalise(dist) == "dpcore":
+    if canonicalize_name(dist) == "dpcore":
         if name in (metadata.get_all("Provides-Extra") or ()):
             return f"install it with pip install 'dpcore[{name}]'"
         return f"install the package that provides {modules}"
-    wanted = {_normalise(m) for m in entry.missing}
-    found = [r.partition(";")[0].strip() for r in requires
-             if _normalise(_requirement_name(r)) in wanted]
+    wanted = {canonicalize_name(m) for m in entry.missing}
+    found = []
+    for text in requires:
+        try:
+            requirement = Requirement(text)
+        except InvalidRequirement:  # a malformed requirement of another's: not a hint
+            continue
+        if canonicalize_name(requirement.name) in wanted:
+            requirement.marker = None  # the extra or platform it is under: not pip's argument
+            found.append(str(requirement))
     if found:
         return (f"backend {name!r} comes from {dist}, which requires "
                 f"{', '.join(found)}: pip install {' '.join(repr(r) for r in found)}")
     return (f"backend {name!r} comes from {dist}: install the package that provides "
             f"{modules} (see {dist}'s documentation)")
-
-
-def _requirement_name(requirement: str) -> str:
-    """The project name a requirement string (PEP 508) starts with."""
-    for k, char in enumerate(requirement):
-        if not (char.isalnum() or char in "-_."):
-            return requirement[:k]
-    return requirement
-
-
-def _normalise(project: str) -> str:
-    """A project or module name compared as PEP 503 compares project names."""
-    return "-".join(part for part in
-                    project.lower().replace("_", "-").replace(".", "-").split("-") if part)
 
 
 def lazy_exports(package: str, homes: Mapping[str, str]):
