@@ -149,7 +149,8 @@ EXPECTED_FAILURES = {
     "one_value_leaves_short": {ONE_VALUE_LEAVES},
     "tiled_leaf_noise": {REPEATS},
     "secure_ignored": {SECURE_DRAWS},
-    "noise_ring": STEP_NOISE | MANY_DRAWS | {  # 60 steps hold 5 draws: the variance estimates spread
+    # 60 steps hold 5 draws: the variance estimates spread
+    "noise_ring": STEP_NOISE | MANY_DRAWS | {
         "test_noise.py::test_fresh_noise_at_every_draw",
         "test_step.py::test_fresh_noise_at_every_step", REPEATS},
     "shared_noise_buffer": {

@@ -58,9 +58,9 @@ from dpcore.sampling import Buckets
 from .backend import TorchBackend
 from .engine import LeakedGradientError, PerExampleEngine
 from .layers import autocast_off, full_precision, traced
+from .snapshot import autocast_state
 
 EAGER_STEPS = 2  # steps run eagerly first: the engine's checks of values, and its timings
-AUTOCAST = ("cpu", "cuda")  # devices whose autocast state a program is traced under
 
 
 class _Step(nn.Module):
@@ -194,15 +194,12 @@ class CompiledPrivateStep:
                            aggregator.expected_size)
         self._eager = EAGER_STEPS
         self._values = sum(p.numel() for p in self.engine.params.values())  # normals a step
-        self._frozen_names = tuple(name for name, p in model.named_parameters()
-                                   if not p.requires_grad)
-        # (owner module, attribute, parameter) of every parameter, trainable ones first
-        owners = {name: (module, attr) for prefix, module in model.named_modules()
-                  for attr in module._parameters
-                  for name in [f"{prefix}.{attr}" if prefix else attr]}
-        values = dict(model.named_parameters())
-        self._owners = [(*owners[name], values[name])
-                        for name in (*self.engine.params, *self._frozen_names)]
+        frozen = {name: p for name, p in model.named_parameters() if not p.requires_grad}
+        self._frozen_names = tuple(frozen)
+        # (name, owner module, attribute, parameter) of every parameter, trainable ones first
+        self._owners = [(name, model.get_submodule(name.rpartition(".")[0]),
+                         name.rpartition(".")[2], p)
+                        for name, p in (*self.engine.params.items(), *frozen.items())]
         self._modules = list(model.modules())  # their training modes key the programs
         self._buffer_names = tuple(name for name, _ in model.named_buffers())
         self._positions: dict[int, torch.Tensor] = {}  # arange(size) per bucket, for masks
@@ -236,9 +233,8 @@ class CompiledPrivateStep:
         eager = self._eager > 0 or self.engine.check_pending()
         if not eager:  # traced (from the shapes) before the step begins: a model that
             # cannot be traced fails with no event written
-            with full_precision():
-                program = self._program(layout, batch, flat + [like.new_empty(self._values),
-                                                               *self._clips_and_stds()])
+            program = self._program(layout, batch, flat + [like.new_empty(self._values),
+                                                           *self._clips_and_stds()])
         agg.begin_step()
         clips, stds = self._clips_and_stds()
         agg.rng, normals = agg.standard_normal(agg.rng, (self._values,), like)
@@ -267,10 +263,9 @@ class CompiledPrivateStep:
         parameter replaced by another object, frozen or unfrozen since then is refused (the
         step would go on reading the old one, or noise a parameter no optimizer moves)."""
         trainable = len(self.engine.params)
-        names = (*self.engine.params, *self._frozen_names)
-        moved = [name for name, (module, attr, p) in zip(names, self._owners)
+        moved = [name for name, module, attr, p in self._owners
                  if module._parameters.get(attr) is not p]
-        switched = [name for k, (name, (_, _, p)) in enumerate(zip(names, self._owners))
+        switched = [name for k, (name, _, _, p) in enumerate(self._owners)
                     if p.requires_grad != (k < trainable)]
         if moved or switched:
             raise ValueError(
@@ -279,8 +274,8 @@ class CompiledPrivateStep:
                             + [f"{switched} frozen or unfrozen"] * bool(switched))
                 + ". Change their values in place (copy_, load_state_dict) or build a new "
                   "CompiledPrivateStep and optimizer")
-        return ([p.detach() for _, _, p in self._owners[:trainable]],
-                [p.detach() for _, _, p in self._owners[trainable:]])
+        return ([p.detach() for *_, p in self._owners[:trainable]],
+                [p.detach() for *_, p in self._owners[trainable:]])
 
     def _buffers(self) -> list[torch.Tensor]:
         """The model's buffers (inputs of the program, so it reads their current values)."""
@@ -335,19 +330,18 @@ class CompiledPrivateStep:
         ``torch.compile`` each call would pass dynamo's guards and pytree flattening, 0.1 ms
         of the covertype MLP's 0.9 ms step on one core."""
         key = (layout, *((tuple(t.shape), t.dtype) for t in batch),
-               tuple(m.training for m in self._modules),
-               *((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in AUTOCAST))
+               tuple(m.training for m in self._modules), autocast_state())
         program = self._programs.get(key)
         if program is None:
             try:
-                with traced():
+                with traced(), full_precision():
                     graph = make_fx(lambda *a: self._run(layout, *a), tracing_mode="fake")(*flat)
             except Exception as error:
                 if type(error).__module__.startswith("dpcore") or type(error) is ValueError:
                     raise  # dpcore's own refusals (a leaked gradient, mixed rows, ...)
                 raise _untraceable(size=batch[0].shape[0], error=error) from error
-            with autocast_off():  # the graph holds the forward's casts; Inductor's own
-                # decompositions of the sums' products must not be autocast
+            with autocast_off(), full_precision():  # the graph holds the forward's casts;
+                # Inductor's own decompositions of the sums' products must not be autocast
                 program = self._programs[key] = torch._inductor.compile(graph, flat)
         return program
 

@@ -40,6 +40,7 @@ from torch.nn.grad import conv1d_input, conv2d_input
 from dpcore.rounding import ghost_margin, sum_margin
 
 from .independence import NotPerExampleError, probing
+from .snapshot import AUTOCAST_DEVICES
 
 
 _trace = threading.local()
@@ -325,7 +326,7 @@ def autocast_off():
     sums formed under the caller's ``torch.autocast`` (a compiled step's forward runs in it)
     would take their products in bfloat16 or float16, and one record's contribution could
     exceed its clip (1.75 S measured for a LayerNorm group under bfloat16)."""
-    on = [device for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)]
+    on = [device for device in AUTOCAST_DEVICES if torch.is_autocast_enabled(device)]
     if not on:
         yield
         return

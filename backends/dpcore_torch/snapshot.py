@@ -13,7 +13,13 @@ from collections.abc import Mapping
 
 import torch
 
-_AUTOCAST_DEVICES = ("cpu", "cuda")
+AUTOCAST_DEVICES = ("cpu", "cuda")  # the devices whose autocast dpcore keeps or turns off
+
+
+def autocast_state() -> tuple:
+    """((device, dtype, enabled), ...) of the autocast in force on AUTOCAST_DEVICES."""
+    return tuple((d, torch.get_autocast_dtype(d), torch.is_autocast_enabled(d))
+                 for d in AUTOCAST_DEVICES)
 
 
 def _kept(t):
@@ -85,8 +91,7 @@ class Snapshot:
                            for p in module.parameters()]
         self.ended: list = []  # every parameter's version at the end of the pass
         self.training = [m.training for m in module.modules()]
-        self.autocast = [(d, torch.get_autocast_dtype(d), torch.is_autocast_enabled(d))
-                         for d in _AUTOCAST_DEVICES]
+        self.autocast = autocast_state()
 
     def keep_changed_parameters(self) -> None:
         """At the end of the pass: drop the copies of the parameters it did not change in

@@ -13,7 +13,7 @@ import torch.nn.functional as F  # noqa: E402
 import dpcore  # noqa: E402
 from dpcore.aggregation import NonFiniteNormError  # noqa: E402
 from dpcore_torch import CompiledPrivateStep, LeakedGradientError, NotPerExampleError  # noqa: E402
-from test_torch_per_example import Seq  # noqa: E402  (Embedding, Conv1d, GroupNorm, LayerNorm, Linear)
+from test_torch_per_example import Seq  # noqa: E402  (Embedding, Conv1d, norms, Linear)
 
 RTOL = 1e-6
 LOSS = nn.CrossEntropyLoss(reduction="none")
@@ -415,8 +415,9 @@ def test_under_autocast_one_record_moves_each_group_by_at_most_its_clip():
     """A step called under bfloat16 autocast (its forward runs in it) forms norms, clip
     factors and sums in float32, eagerly and compiled: adding one more of B identical records
     (B = 40..60, one bucket of 64, per-layer clipping, z = 0; B = 40, 41 eager, the rest
-    compiled) moves each group's sum by at most its clip. Before, the compiled program's matrix products were autocast again at run
-    time, and the sums rounded to bfloat16 moved by up to 1.75 clips."""
+    compiled) moves each group's sum by at most its clip. Before, Inductor compiled the
+    program under the caller's autocast, whose decompositions rounded the sums to bfloat16:
+    they moved by up to 1.75 clips."""
     torch.manual_seed(0)
     model = Norm()
     mech = dpcore.per_layer({n: p.numel() for n, p in model.named_parameters()},
