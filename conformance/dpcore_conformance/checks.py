@@ -66,27 +66,36 @@ def _nearest(values, ordered):
     return np.where(values - left < right - values, left, right)
 
 
-def scale_of_draws(z, drawn, share: float = 0.99, tolerance: float = 1e-5,
-                   candidates: int = 64):
+def scale_of_draws(z, drawn, share: float = 0.99, tolerance: float = 1e-5, probes: int = 64):
     """The factor c for which at least ``share`` of the values z / c lie within ``tolerance``
     of one of the values ``drawn``, or None when there is none: noise that is the draws
     mis-scaled has such a c (1 when it is the draws), noise from another generator, or the
     draws transformed otherwise, has none.
 
-    c is sought as z's largest value in magnitude over each of the ``candidates`` largest
-    draws (its own draw is among them when z is c times most of the draws), each tried on
-    500 of the values, then refined as the median ratio of the matched pairs."""
+    When z is c times some of the draws, its largest value in magnitude is c times one of
+    them, so c is among its ratios to every draw; each ratio c with 1e-3 <= |c| <= 1e3 is
+    tried on ``probes`` of the values, the best then refined as the median ratio of the
+    matched pairs and checked on all of them. (Trying only the largest draws missed c for a
+    small group, whose largest value need not be c times one of the step's largest draws; a
+    ratio to a draw near 0 makes every z / c near 0, within the tolerance of a draw near 0.)"""
     z, drawn = np.ravel(z), np.ravel(drawn)
     top = z[np.argmax(np.abs(z))] if z.size else 0.0
     if top == 0 or drawn.size == 0:
         return None
     ordered = np.sort(drawn)
-    probe = z[np.linspace(0, z.size - 1, min(z.size, 500)).astype(int)]
-    tried = [top / d for d in drawn[np.argsort(-np.abs(drawn))[:candidates]] if d != 0]
-    shares = [_matched(probe / c, ordered, tolerance) for c in tried]
-    if not shares or max(shares) < share:
+    probe = z[np.linspace(0, z.size - 1, min(z.size, probes)).astype(int)]
+    tried = top / drawn[drawn != 0]
+    tried = tried[(np.abs(tried) >= 1e-3) & (np.abs(tried) <= 1e3)]
+    if tried.size == 0:
+        return None
+    scaled = probe[None, :] / tried[:, None]  # (candidates, probes)
+    near = np.abs(scaled - _nearest(scaled.ravel(), ordered).reshape(scaled.shape)) < tolerance
+    shares = near.mean(axis=1)
+    if shares.max() < share:
         return None
     partner = _nearest(z / tried[int(np.argmax(shares))], ordered)
-    pairs = np.abs(partner) > 0.5
+    pairs = np.abs(partner) > 0.5  # ratios to large draws: the least rounding
+    if not pairs.any():
+        pairs = partner != 0
     c = float(np.median(z[pairs] / partner[pairs]))
     return c if _matched(z / c, ordered, tolerance) >= share else None
