@@ -214,7 +214,9 @@ class PrivateAggregator:
 
     def begin_step(self) -> None:
         """Record that a Poisson sample of rate q was drawn from the n records (after the
-        step's mechanism is made: a clip it refuses leaves nothing recorded)."""
+        step's mechanism is made: a clip it refuses leaves nothing recorded), once the
+        releases dispatched before have written theirs (``backend.settle()``)."""
+        self.backend.settle()
         mechanism = self._policy.mechanism(self._step + 1)
         if self.budget is not None:
             z = self.next_noise_multiplier()

@@ -61,6 +61,13 @@ class Backend(abc.ABC):
         the traced program."""
         return False
 
+    def settle(self) -> None:
+        """Wait until the programs dispatched before have written their ledger events.
+        :meth:`~dpcore.PrivateAggregator.begin_step` calls it before a new sample's event:
+        a compiled release that records from a host callback may run it after the call
+        returned, and would then record under the next sample. Nothing to wait for by
+        default."""
+
     def poisson_sampler(self, n: int, q: float, *, seed=None) -> PoissonSampler:
         """The sampler this backend's data pipeline draws batches with: Poisson sampling of
         rate ``q`` over ``n`` records (``sample()`` gives sorted indices, possibly none).

@@ -112,6 +112,12 @@ class JaxBackend(contract.Backend):
     def is_traced(self, x) -> bool:
         return isinstance(x, jax.core.Tracer)
 
+    def settle(self) -> None:
+        """Wait for the ordered host callbacks of the programs dispatched before (the optax
+        route's releases write their events from one); effect-free programs are not
+        waited for."""
+        jax.effects_barrier()
+
     def rng(self, seed: int | None = None):
         return make_key(seed)
 

@@ -113,12 +113,10 @@ class PoissonBatches:
             self._ahead = pad(self.data, indices, self.buckets.size_for(len(indices)))
 
     def next(self):
-        """Begin a step (its sampling event) and return its padded batch (or parts), once the
-        programs dispatched before have run their ledger callbacks (a compiled release records
-        its events under the step in force when its callback runs, which even on one CPU can
-        be after the call returned)."""
+        """Begin a step (its sampling event, written once the programs dispatched before
+        have run their ledger callbacks: ``begin_step`` settles the backend) and return its
+        padded batch (or parts)."""
         self.prefetch()
-        jax.effects_barrier()
         self.aggregator.begin_step()
         (batch, mask), self._ahead = self._ahead, None
         parts = [(batch, mask)] if self.splits == 1 else split(batch, mask, self.splits)

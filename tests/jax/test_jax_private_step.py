@@ -771,11 +771,23 @@ def test_sums_clipped_under_another_mechanism_are_refused(transformation):
     assert float(jnp.linalg.norm(sign * updates["w"])) <= 8 * 1.0 / agg.expected_size + 1e-6
 
 
-def test_each_release_is_recorded_under_its_own_sampling_event():
+def _samples_drawn_by_hand(x, agg, steps):
+    """The padded samples of a loop that draws them itself, ``aggregator.sample()``."""
+    buckets = Buckets(agg.expected_size, agg.q)
+    for _ in range(steps):
+        indices = agg.sample()
+        yield pad(x, indices, buckets.size_for(len(indices)))
+
+
+@pytest.mark.parametrize("samples", [PoissonBatches, _samples_drawn_by_hand],
+                         ids=["PoissonBatches", "aggregator.sample"])
+def test_each_release_is_recorded_under_its_own_sampling_event(samples):
     """A step the host does not wait for: on one CPU the jitted update returned before its
     ledger callback ran, and the next sample's event came first (2-3 releases in 40 were
     recorded under the next sample: one step with z = inf, one with z / sqrt 2; under a
-    budget, a refusal). PoissonBatches now waits for the callbacks before each sample."""
+    budget, a refusal). Every sample now begins once the callbacks dispatched before have
+    run (``begin_step`` settles the backend), also in a loop that calls
+    ``aggregator.sample()`` itself, which was documented as the caller's to do."""
     rng = np.random.default_rng(0)
     n = 400
     x = rng.normal(size=(n, 256)).astype(np.float32)
@@ -798,7 +810,8 @@ def test_each_release_is_recorded_under_its_own_sampling_event():
         updates, s = opt.update(sums_fn(p, b, m), s, p)
         return optax.apply_updates(p, updates), s
 
-    for batch, mask in PoissonBatches(x, agg, steps=40):
+    for batch, mask in (PoissonBatches(x, agg, steps=40) if samples is PoissonBatches
+                        else samples(x, agg, 40)):
         params, state = step(params, state, batch, mask)
     jax.block_until_ready(params)
     kinds = "".join("S" if e.kind == "sampling" else "Q" for e in agg.ledger.events)
