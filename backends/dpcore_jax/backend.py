@@ -72,15 +72,21 @@ def one_example_loss(loss_fn: Callable) -> Callable:
 
 
 def kept_per_loss(build: Callable) -> Callable:
-    """``build(loss_fn, *key)`` (a compiled program), kept for the 64 (loss, key) used last;
-    a bound method is built anew each time: ``model.loss`` is a new object at every access,
-    equal to the last, and the attributes it reads may have changed since (a program is the
-    loss as traced)."""
+    """``build(loss_fn, *key)`` (a compiled program), kept for the 64 (loss, key) used last,
+    as ``jax.jit`` keeps a function's traces; built anew for a bound method (``model.loss``
+    is a new object at every access, equal to the last, and the attributes it reads may have
+    changed since: a program is the loss as traced) and for a key that cannot be hashed."""
     kept = functools.lru_cache(maxsize=64)(build)
 
     @functools.wraps(build)
     def program(loss_fn: Callable, *key):
-        return build(loss_fn, *key) if inspect.ismethod(loss_fn) else kept(loss_fn, *key)
+        if inspect.ismethod(loss_fn):
+            return build(loss_fn, *key)
+        try:
+            hash((loss_fn, *key))
+        except TypeError:
+            return build(loss_fn, *key)
+        return kept(loss_fn, *key)
     return program
 
 

@@ -105,9 +105,8 @@ class PrivateGrad:
                  method: str = "ghost"):
         self._compiled = _Compiled(aggregator)
         self.aggregator = aggregator
-        self._step = jax.jit(private_mean_fn(loss_fn, aggregator.mechanism,
-                                             aggregator.expected_size,
-                                             chunk_size=chunk_size, method=method))
+        self._step = _mean_program(loss_fn, aggregator.mechanism, aggregator.expected_size,
+                                   chunk_size, method)
 
     def __call__(self, params, batch, mask=None):
         check_host_mask(mask)
@@ -117,8 +116,16 @@ class PrivateGrad:
         return grads
 
     def compiled_shapes(self) -> int:
-        """How many programs have been compiled (one per distinct batch shape and dtype)."""
+        """How many programs have been compiled (one per distinct batch shape and dtype),
+        also by the earlier ones of the same loss and configuration, which share them."""
         return self._step._cache_size()
+
+
+@kept_per_loss
+def _mean_program(loss_fn: Callable, mechanism, expected_size: float, chunk_size, method):
+    """``jit`` of :func:`private_mean_fn`, kept per loss and configuration."""
+    return jax.jit(private_mean_fn(loss_fn, mechanism, expected_size, chunk_size=chunk_size,
+                                   method=method))
 
 
 def private_grad(loss_fn: Callable, aggregator, *, chunk_size: int | None = None,

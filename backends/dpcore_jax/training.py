@@ -23,6 +23,7 @@ from dpcore.aggregation import NonFiniteNormError
 
 from .batching import Buckets, PoissonBatches, batch_shards, replicated
 from .clipping import check_host_mask, check_param_dtypes
+from .backend import kept_per_loss
 from .grad import _Compiled, private_mean_fn
 
 
@@ -37,15 +38,8 @@ class PrivateStep:
         self._checked = False  # whether the parameters were found all floating
         self.aggregator = aggregator
         self.optimizer = optimizer
-        mean_fn = private_mean_fn(loss_fn, aggregator.mechanism, aggregator.expected_size,
-                                  chunk_size=chunk_size, method=method)
-
-        def step(params, opt_state, batch, mask, noise):  # noise: a key, or normals
-            key, grads, nonfinite = mean_fn(params, batch, mask, noise)
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, key, nonfinite
-
-        self._step = jax.jit(step)
+        self._step = _step_program(loss_fn, optimizer, aggregator.mechanism,
+                                   aggregator.expected_size, chunk_size, method)
 
     def init(self, params):
         return self.optimizer.init(params)
@@ -69,8 +63,27 @@ class PrivateStep:
         return params, opt_state
 
     def compiled_shapes(self) -> int:
-        """How many programs have been compiled (one per distinct batch shape and dtype)."""
+        """How many programs have been compiled (one per distinct batch shape and dtype),
+        also by the earlier steps of the same loss and configuration, which share them."""
         return self._step._cache_size()
+
+
+@kept_per_loss
+def _step_program(loss_fn: Callable, optimizer, mechanism, expected_size: float,
+                  chunk_size: int | None, method: str):
+    """``jit(step)``, ``step(params, opt_state, batch, mask, noise)`` (noise: a key, or the
+    normals drawn from one) returning ``(params, opt_state, key, nonfinite)``; kept per loss
+    and configuration, so a :func:`train` called again (an epoch at a time) or a new
+    :class:`PrivateStep` reuses the shapes compiled before."""
+    mean_fn = private_mean_fn(loss_fn, mechanism, expected_size, chunk_size=chunk_size,
+                              method=method)
+
+    def step(params, opt_state, batch, mask, noise):
+        key, grads, nonfinite = mean_fn(params, batch, mask, noise)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, key, nonfinite
+
+    return jax.jit(step)
 
 
 def train(loss_fn: Callable, params, data, aggregator, optimizer: optax.GradientTransformation,
