@@ -153,10 +153,10 @@ class JaxBackend(contract.Backend):
         aggregator's generator and divides by q n. Going through the
         aggregator keeps every clipping policy it supports (schedules, adaptive clipping);
         :class:`dpcore_jax.PrivateStep` fuses the noise and the update into the program too."""
-        from .clipping import check_host_mask
+        from .clipping import host_mask
         from .grad import clip_free, clipping_kernel
 
-        check_host_mask(mask)
+        mask = host_mask(mask)
         mechanism = aggregator.mechanism
         clips = jnp.asarray([g.clip for g in mechanism.groups])
         sums, nonfinite, factors = clipping_kernel(loss_fn, clip_free(mechanism))(

@@ -22,6 +22,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dpcore import aggregation
 from dpcore.queries import Mechanism
@@ -127,11 +128,27 @@ def check_param_dtypes(params) -> None:
                 f"jax.tree_util.tree_map(lambda p: p.astype(jnp.{dtype}), params))")
 
 
-def check_host_mask(mask) -> None:
-    """Refuse a mask given on the host (not a value of a trace) that holds other values than
-    booleans or 0/1: the compiled program reads it as booleans, a NaN or 0.5 as True."""
-    if mask is not None and not isinstance(mask, jax.core.Tracer):
-        aggregation.check_mask_values(mask)
+def host_mask(mask):
+    """``mask`` as the compiled programs take it: None, a traced value (whose dtype
+    :func:`clipped_sums` checks) or a boolean array. A mask given on the host holding other
+    values than booleans or 0/1 is refused (the programs would read a NaN or 0.5 as True);
+    0/1 numbers are turned into booleans."""
+    if mask is None or isinstance(mask, jax.core.Tracer) or (
+            isinstance(mask, jax.Array) and mask.dtype == jnp.bool_):
+        return mask
+    aggregation.check_mask_values(mask)
+    return np.asarray(mask, dtype=bool)
+
+
+def _check_traced_mask(mask) -> None:
+    """Refuse a mask traced with another dtype than bool: its values cannot be read at
+    tracing, and the program reads it as booleans (weights of 0.5 as whole records)."""
+    if isinstance(mask, jax.core.Tracer) and mask.dtype != jnp.bool_:
+        raise TypeError(
+            f"the mask is traced with dtype {mask.dtype}, and the compiled sums read it as "
+            f"booleans: a weight 0.5 would count as a whole record, a NaN as a record. Pass "
+            f"a boolean mask (PoissonBatches' masks are; a mask of 0/1 numbers given on the "
+            f"host outside jit is checked and turned into booleans)")
 
 
 @jax.tree_util.register_pytree_node_class
@@ -170,7 +187,7 @@ def clipped_sums(loss_fn: Callable, mechanism: Mechanism, *, chunk_size: int | N
     non-finite norm (given weight 0); ``with_factors=True`` returns the tuple
     ``(sums, nonfinite, factors)`` with the clip factors (B, G). ``clips``
     (G,) replaces the mechanism's clips (a traced argument: moving clips do not recompile). ``loss_fn(params, batch) -> (B,)`` is the per-record loss; ``mask``
-    (B,) bool marks real rows (None: all). ``method`` is ``"ghost"`` (norms and sums from
+    (B,) bool marks real rows (None: all; traced with another dtype: refused). ``method`` is ``"ghost"`` (norms and sums from
     each leaf's operation, see :mod:`dpcore_jax.ghost`) or ``"vmap"`` (per-example
     gradients of every leaf). With ``chunk_size``, B must be a multiple of it."""
     if method not in METHODS:
@@ -185,6 +202,7 @@ def clipped_sums(loss_fn: Callable, mechanism: Mechanism, *, chunk_size: int | N
         mechanism.check_leaves(leaf_names(params))
         check_param_dtypes(params)
         rows = _rows(batch)
+        _check_traced_mask(mask)
         mask = jnp.ones((rows,), bool) if mask is None else jnp.asarray(mask, bool)
         clipping = clipping_of(mechanism, clips_given=clips is not None)
         if clips is None:

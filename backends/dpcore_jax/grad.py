@@ -21,7 +21,7 @@ from dpcore.aggregation import NonFiniteNormError
 from dpcore.queries import Group, Mechanism
 
 from .backend import JaxBackend, kept_per_loss, refuse_tracers
-from .clipping import check_host_mask, clipped_sums, noisy_mean
+from .clipping import clipped_sums, host_mask, noisy_mean
 from .noise import NoiseSource
 
 
@@ -109,7 +109,7 @@ class PrivateGrad:
                                    chunk_size, method)
 
     def __call__(self, params, batch, mask=None):
-        check_host_mask(mask)
+        mask = host_mask(mask)
         self._compiled.check()
         key, grads, nonfinite = self._step(params, batch, mask, self._compiled.noise(params))
         self._compiled.release(key, nonfinite)

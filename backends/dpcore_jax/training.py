@@ -22,7 +22,7 @@ from dpcore import _validation as check
 from dpcore.aggregation import NonFiniteNormError
 
 from .batching import Buckets, PoissonBatches, batch_shards, replicated
-from .clipping import check_host_mask, check_param_dtypes
+from .clipping import check_param_dtypes, host_mask
 from .backend import kept_per_loss
 from .grad import _Compiled, private_mean_fn
 
@@ -54,7 +54,7 @@ class PrivateStep:
         self._checked = True
 
     def __call__(self, params, opt_state, batch, mask=None):
-        check_host_mask(mask)
+        mask = host_mask(mask)
         self.check_params(params)
         self._compiled.check()
         params, opt_state, key, nonfinite = self._step(params, opt_state, batch, mask,

@@ -76,6 +76,31 @@ def test_a_mask_of_other_values_than_booleans_or_0_1_is_refused_before_the_ledge
     private_grad(loss_fn, agg)(params, (x, y), np.array([1.0, 1.0, 0.0, 0.0]))  # 0/1 floats
 
 
+def test_a_mask_traced_with_another_dtype_than_bool_is_refused():
+    """Inside the user's jit the mask's values cannot be read, and a float mask of weights
+    0.5 counted each weighted record as a whole one (the sums were those of mask > 0):
+    refused at tracing. Given on the host, 0/1 numbers still work (turned into booleans)."""
+    rng = np.random.default_rng(1)
+    loss_fn, params = models.model(rng, "logistic")
+    x, y = models.data(rng, "logistic", 4)
+    mechanism = dpcore.flat(leaf_names(params), 1.0, 1.0)
+    sums_fn = jax.jit(clipped_sums(loss_fn, mechanism))
+    for mask in (jnp.array([1.0, 0.5, 0.5, 0.0]), jnp.array([1, 1, 0, 0])):
+        with pytest.raises(TypeError, match=f"traced with dtype {mask.dtype}.* read it as "
+                                            f"booleans"):
+            sums_fn(params, (x, y), mask)
+    ones = np.array([1.0, 1.0, 0.0, 0.0])
+    by_bool = sums_fn(params, (x, y), ones > 0).sums
+    agg = aggregator(dpcore.flat(leaf_names(params), 1.0, 0.0), n=100, q=0.04, seed=0)
+    agg.sample()
+    step = PrivateStep(loss_fn, optax.sgd(0.1), agg)
+    step(params, step.init(params), (x, y), jnp.asarray(ones))  # 0/1 floats, on the host
+    agg.sample()
+    grads = dpcore.get_backend("jax").private_gradient(loss_fn, params, (x, y), agg, mask=ones)
+    for leaf, g in dpcore_jax.named_leaves(by_bool).items():
+        np.testing.assert_allclose(grads[leaf], g / agg.expected_size, rtol=1e-6)
+
+
 @pytest.fixture(params=["in the step", "separate"])
 def noise_drawn(request, monkeypatch):
     """Both places a compiled step's noise is drawn (dpcore_jax.noise.NoiseSource)."""
