@@ -186,10 +186,11 @@ def clipped_sums(loss_fn: Callable, mechanism: Mechanism, *, chunk_size: int | N
     the clipped per-leaf sums as a pytree like ``params`` and the number of real rows with a
     non-finite norm (given weight 0); ``with_factors=True`` returns the tuple
     ``(sums, nonfinite, factors)`` with the clip factors (B, G). ``clips``
-    (G,) replaces the mechanism's clips (a traced argument: moving clips do not recompile). ``loss_fn(params, batch) -> (B,)`` is the per-record loss; ``mask``
-    (B,) bool marks real rows (None: all; traced with another dtype: refused). ``method`` is ``"ghost"`` (norms and sums from
-    each leaf's operation, see :mod:`dpcore_jax.ghost`) or ``"vmap"`` (per-example
-    gradients of every leaf). With ``chunk_size``, B must be a multiple of it."""
+    (G,) replaces the mechanism's clips (a traced argument: moving clips do not recompile).
+    ``loss_fn(params, batch) -> (B,)`` is the per-record loss; ``mask`` (B,) bool marks real
+    rows (None: all; traced with another dtype: refused). ``method`` is ``"ghost"`` (norms
+    and sums from each leaf's operation, see :mod:`dpcore_jax.ghost`) or ``"vmap"``
+    (per-example gradients of every leaf). With ``chunk_size``, B must be a multiple of it."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)

@@ -21,9 +21,9 @@ from dpcore import BudgetExhaustedError
 from dpcore import _validation as check
 from dpcore.aggregation import NonFiniteNormError
 
+from .backend import kept_per_loss
 from .batching import Buckets, PoissonBatches, batch_shards, replicated
 from .clipping import check_param_dtypes, host_mask
-from .backend import kept_per_loss
 from .grad import _Compiled, private_mean_fn
 
 
