@@ -12,6 +12,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from dpcore_torch import PerExampleEngine, make_private  # noqa: E402
+from clip_movement import group_moves  # noqa: E402
 
 BF16_TOL = 2e-2  # bfloat16 keeps 8 significant bits (relative rounding 2^-9); many roundings
 
@@ -171,8 +172,6 @@ def test_a_step_taken_inside_the_autocast_region_keeps_one_record_within_its_cli
     gradient): norms, clip factors and sums stay float32, so adding one more of B identical
     records (B = 40..56, per-layer clipping, z = 0) moves each group's sum by at most its
     clip. Under autocast, the core's group norms and the sums' products took bfloat16."""
-    import math
-
     import dpcore
     from dpcore_torch import private_grads
 
@@ -190,10 +189,8 @@ def test_a_step_taken_inside_the_autocast_region_keeps_one_record_within_its_cli
             out = private_grads(engine, agg, loss, begin_step=True)
         out = {k: v.double() * agg.expected_size for k, v in out.items()}
         if last is not None:
-            for g in mech.groups:
-                moved = math.sqrt(sum(float((out[leaf] - last[leaf]).square().sum())
-                                      for leaf in g.leaves))
-                worst[g.name] = max(worst[g.name], moved / g.clip)
+            for name, moved in group_moves(mech, out, last).items():
+                worst[name] = max(worst[name], moved)
         last = out
     assert max(worst.values()) <= 1 + 1e-4, worst
     assert worst["3.weight"] > 0.99  # the records are clipped: the test has teeth

@@ -14,6 +14,7 @@ import dpcore  # noqa: E402
 from dpcore.aggregation import NonFiniteNormError  # noqa: E402
 from dpcore_torch import CompiledPrivateStep, LeakedGradientError, NotPerExampleError  # noqa: E402
 from test_torch_per_example import Seq  # noqa: E402  (Embedding, Conv1d, norms, Linear)
+from clip_movement import group_moves  # noqa: E402
 
 RTOL = 1e-6
 LOSS = nn.CrossEntropyLoss(reduction="none")
@@ -434,10 +435,8 @@ def test_under_autocast_one_record_moves_each_group_by_at_most_its_clip():
             out = {k: v.double() * agg.expected_size for k, v in step(x[:b], y[:b]).items()}
             if last is not None and b != 42:  # 41 -> 42: eager, then compiled (other
                 # roundings of the bfloat16 forward: not two inputs of one mechanism)
-                for g in mech.groups:
-                    moved = math.sqrt(sum(float((out[leaf] - last[leaf]).square().sum())
-                                          for leaf in g.leaves))
-                    worst[g.name] = max(worst[g.name], moved / g.clip)
+                for name, moved in group_moves(mech, out, last).items():
+                    worst[name] = max(worst[name], moved)
             last = out
     assert step.compiled_shapes() == 1
     assert max(worst.values()) <= 1 + 1e-4, worst
