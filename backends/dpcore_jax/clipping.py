@@ -133,8 +133,8 @@ def host_mask(mask):
     :func:`clipped_sums` checks) or a boolean array. A mask given on the host holding other
     values than booleans or 0/1 is refused (the programs would read a NaN or 0.5 as True);
     0/1 numbers are turned into booleans."""
-    if mask is None or isinstance(mask, jax.core.Tracer) or (
-            isinstance(mask, jax.Array) and mask.dtype == jnp.bool_):
+    if (mask is None or isinstance(mask, jax.core.Tracer)
+            or getattr(mask, "dtype", None) == bool):
         return mask
     aggregation.check_mask_values(mask)
     return np.asarray(mask, dtype=bool)

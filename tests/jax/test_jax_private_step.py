@@ -816,6 +816,10 @@ def test_sums_clipped_under_another_mechanism_are_refused(transformation):
     assert float(jnp.linalg.norm(sign * updates["w"])) <= 8 * 1.0 / agg.expected_size + 1e-6
 
 
+def _samples_of_poisson_batches(x, agg, steps):
+    return PoissonBatches(x, agg, steps=steps)
+
+
 def _samples_drawn_by_hand(x, agg, steps):
     """The padded samples of a loop that draws them itself, ``aggregator.sample()``."""
     buckets = Buckets(agg.expected_size, agg.q)
@@ -824,7 +828,7 @@ def _samples_drawn_by_hand(x, agg, steps):
         yield pad(x, indices, buckets.size_for(len(indices)))
 
 
-@pytest.mark.parametrize("samples", [PoissonBatches, _samples_drawn_by_hand],
+@pytest.mark.parametrize("samples", [_samples_of_poisson_batches, _samples_drawn_by_hand],
                          ids=["PoissonBatches", "aggregator.sample"])
 def test_each_release_is_recorded_under_its_own_sampling_event(samples):
     """A step the host does not wait for: on one CPU the jitted update returned before its
@@ -855,8 +859,7 @@ def test_each_release_is_recorded_under_its_own_sampling_event(samples):
         updates, s = opt.update(sums_fn(p, b, m), s, p)
         return optax.apply_updates(p, updates), s
 
-    for batch, mask in (PoissonBatches(x, agg, steps=40) if samples is PoissonBatches
-                        else samples(x, agg, 40)):
+    for batch, mask in samples(x, agg, 40):
         params, state = step(params, state, batch, mask)
     jax.block_until_ready(params)
     kinds = "".join("S" if e.kind == "sampling" else "Q" for e in agg.ledger.events)
